@@ -1,0 +1,586 @@
+"""The analytic evaluator: closed-form memory anatomy and roofline time, in microseconds.
+
+Activations are itemized tensor by tensor from what autograd saves in the real
+transformers blocks (checked against a storage tracker on real CPU steps in
+tests/evaluators/test_analytic.py): RMSNorm's fp32 upcast and rstd, every projection's
+input (once per distinct tensor, or once per projection under autocast, which recasts
+activations on every use), RoPE'd q/k, the attention kernel's saved q/k/v/out/logsumexp
+(or eager's fp32 softmax and 16-bit probabilities, s² per head), the gated MLP's gate,
+activation, up and product, and LayerNorm/dropout for GPT-2 and BERT. Frozen weights
+save nothing of their input; LoRA adapters save their input and the rank-wide middle.
+
+The peak is the largest of four moments of a steady-state step (loss backward, the last
+block's backward, the end of backward, the optimizer step), and the breakdown is the
+one *at* that moment.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+from autofit.evaluators import costs
+from autofit.evaluators.base import (
+    EvalContext,
+    Evaluator,
+    MemoryAnatomy,
+    StepCallback,
+    Throughput,
+    TrialResult,
+    judge,
+)
+from autofit.plan import (
+    Attention,
+    Checkpointing,
+    LoraTargets,
+    Method,
+    Offload,
+    Optimizer,
+    Plan,
+    Precision,
+)
+from autofit.specs import ClusterSpec, ModelSpec, Workload
+
+# bitsandbytes NF4 with double quantization (the QLoRA default we export): 4-bit codes,
+# an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements.
+BNB_MIN_8BIT_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class _Regime:
+    resid: int  # bytes per element of the residual stream
+    compute: int  # bytes per element of matmul inputs/outputs
+    autocast: bool  # torch.autocast on (activations recast per use)
+
+
+def regime(plan: Plan) -> _Regime:
+    """Element sizes of the run. Mixed precision on plain torch keeps fp32 weights under
+    autocast (full fine-tuning) or 16-bit base weights (LoRA/QLoRA); DeepSpeed and FSDP2
+    compute on 16-bit parameters directly."""
+    if plan.precision is Precision.FP32:
+        return _Regime(4, 4, False)
+    if plan.precision is Precision.BF16_TRUE:
+        return _Regime(2, 2, False)
+    if plan.engine == "torch":
+        return _Regime(4 if plan.method is Method.FULL else 2, 2, True)
+    return _Regime(2, 2, False)
+
+
+@dataclass(frozen=True)
+class _Block:
+    tok: float  # bytes per token one block saves for backward
+    quad: float  # bytes per token per attended position (eager's s² terms)
+    bwd_tok: float  # transient bytes per token while a block runs backward
+    bwd_quad: float
+    fwd_quad: float  # transient s² bytes per token while eager attention runs forward
+    first_norm: float  # bytes per token the block's first norm saves
+    mlp_tok: float  # bytes per token the MLP half saves (freed before attention's backward)
+    attn_bwd_quad: float  # transient s² bytes per token in attention's backward
+
+
+@functools.lru_cache(maxsize=4096)
+def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = False) -> _Block:
+    """What one transformer block saves for backward, per token. See the module doc.
+
+    ``cpu``: the CPU's kernels, which differ where it matters: dropout keeps its mask in
+    the input dtype (CUDA: bool), and sdpa with dropout runs the math kernel, which saves
+    what eager saves.
+    """
+    f = model.family
+    rg = regime(plan)
+    r, c = rg.resid, rg.compute
+    h, inter, a = model.hidden_size, model.intermediate_size, model.num_heads
+    qd, kd = model.q_dim, model.kv_dim
+    full = plan.method is Method.FULL
+    lora = (
+        {n for n, _, _, part in model.linears() if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention"}
+        if plan.is_peft
+        else set()
+    )
+    rank = plan.lora_rank or 0
+    saved: dict[str, float] = {}
+    quad = 0.0
+
+    # PEFT casts an adapter's input to the adapter dtype (fp32 under autocast), and
+    # autocast casts it back for the matmul: every adapter then saves its own copy
+    adapter_recast = rg.autocast and plan.is_peft
+
+    def lin(name: str, src: str, src_bytes: int, width: int) -> None:
+        """A Linear saves its input when its weight or a LoRA adapter needs it."""
+        if not (full or name in lora):
+            return
+        if (rg.autocast and src_bytes != c) or (adapter_recast and name in lora):
+            saved[name + ".cast"] = width * c  # autocast recasts the activation per use
+        else:
+            saved[src] = width * src_bytes
+        if name in lora:
+            saved[name + ".lora_mid"] = rank * c
+
+    def rms(name: str, src_bytes: int) -> int:
+        saved[name + ".x32"] = 4 * h  # fp32 upcast of the input (the input itself if fp32)
+        saved[name + ".rstd"] = 4
+        if full:  # the weight's grad needs the normalized input
+            saved[name + ".z"] = (4 if f.model_type == "gemma2" else src_bytes) * h
+        return src_bytes
+
+    def layernorm(name: str, src_bytes: int) -> int:
+        in_bytes = 4 if rg.autocast else src_bytes  # autocast runs layer_norm in fp32
+        saved[name + ".in"] = in_bytes * h
+        saved[name + ".stats"] = 8
+        return in_bytes
+
+    mask_bytes = (4 if rg.autocast and plan.method is Method.FULL else c) if cpu else 1
+
+    def dropout_mask(name: str) -> None:
+        if f.dropout:
+            saved[name + ".mask"] = h * mask_bytes
+
+    # attention kernel: sdpa and flash2 save q, k, v, out and the logsumexp; eager saves
+    # the softmax in fp32 and the probabilities in the compute dtype, s² per head.
+    gqa_repeat = kd < qd and (plan.attention is Attention.EAGER or (masked and plan.attention is Attention.SDPA))
+    k_bytes = (qd if gqa_repeat else kd) * c
+
+    if f.model_type in ("gpt2", "bert"):
+        # sdpa with dropout runs the math kernel on the CPU: it saves what eager saves
+        eager_like = plan.attention is Attention.EAGER or (cpu and plan.attention is Attention.SDPA)
+        if f.model_type == "gpt2":
+            ln1 = layernorm("ln1", r)
+            lin("c_attn", "ln1.out", ln1, h)
+        else:
+            for n in ("query", "key", "value"):
+                lin(n, "x", r, h)
+        # the CPU's math kernel computes half precision in fp32
+        md = 4 if (cpu and plan.attention is Attention.SDPA) else c
+        if eager_like or f.model_type == "bert":
+            # matmul on the strided per-head views saves contiguous copies of q, k, v
+            saved["q"], saved["k"], saved["v"] = qd * md, kd * md, kd * md
+        else:
+            saved["qkv"] = (qd + 2 * kd) * c  # q, k, v are views of one output
+        if eager_like:
+            # softmax output, dropout mask and dropped probs
+            quad += a * (md + (md if cpu else 1) + md)
+            saved["o_in"] = qd * c
+            attn_out = "o_in"
+        else:
+            saved["out"], saved["lse"] = qd * c, 4 * a
+            attn_out = "out"
+        o_name = "attn.c_proj" if f.model_type == "gpt2" else "attention.output.dense"
+        lin(o_name, attn_out, c, qd)
+        dropout_mask("attn.resid")
+        before_mlp = sum(saved.values())
+        if f.model_type == "gpt2":
+            ln2 = layernorm("ln2", r)
+            lin("c_fc", "ln2.out", ln2, h)
+            # NewGELU is written in Python ops: x, tanh(...), 0.5x and 1+tanh are saved
+            saved["fc"], saved["gelu.tanh"], saved["gelu.half"], saved["gelu.onep"] = (inter * c,) * 4
+            lin("mlp.c_proj", "gelu.out", c, inter)
+            if "mlp.c_proj" in lora or full:
+                saved["gelu.out"] = inter * c
+        else:
+            x1 = layernorm("ln_attn", r)
+            lin("intermediate.dense", "x1", x1, h)
+            saved["fc"] = inter * c  # exact GELU saves its input
+            lin("output.dense", "gelu.out", c, inter)
+            layernorm("ln_out", r)
+        dropout_mask("mlp.resid")
+    else:
+        ln1 = rms("ln1", r)
+        for n, _, _, part in model.linears():
+            if part == "attention" and n != "o_proj":
+                lin(n, "n1", ln1, h)
+        if f.fused_qkv:
+            saved["qkv"] = (qd + 2 * kd) * c  # v is a view of the fused output
+            saved["q_rot"], saved["k_rot"] = qd * c, kd * c
+            if gqa_repeat:
+                saved["k_rep"] = saved["v_rep"] = qd * c
+        else:
+            saved["q_rot"] = qd * c
+            saved["k_rot"] = k_bytes
+            saved["v"] = k_bytes
+        if plan.attention is Attention.EAGER:
+            # softmax(dtype=fp32) saves its output; .to(compute) makes the probs the
+            # matmul with v saves (no copy when computing in fp32)
+            quad += a * (4 + (c if c != 4 else 0)) + (a * c if f.logit_softcap else 0)
+            saved["o_in"] = qd * c
+            attn_out = "o_in"
+        else:
+            saved["out"], saved["lse"] = qd * c, 4 * a
+            attn_out = "out"
+        lin("o_proj", attn_out, c, qd)
+        before_mlp = sum(saved.values())
+        if f.model_type == "gemma2":
+            rms("post_attn", c)
+            rms("pre_ff", r)
+            n2, n2_bytes = "pre_ff.out", r
+        else:
+            n2, n2_bytes = "n2", rms("ln2", r)
+        for n, _, _, part in model.linears():
+            if part == "mlp" and n != "down_proj":
+                lin(n, n2, n2_bytes, h)
+        saved["gate"], saved["act"], saved["up"] = inter * c, inter * c, inter * c
+        lin("down_proj", "prod", c, inter)
+        if f.model_type == "gemma2":
+            rms("post_ff", c)
+    bwd_tok = 2 * inter * c + 8 * h  # the MLP's gradients while it runs backward
+    eager = plan.attention is Attention.EAGER
+    # softmax backward holds the fp32 gradient in and out (+ part of a 16-bit cast),
+    # once the MLP's saved tensors of the block are already freed (measured on the CPU)
+    attn_bwd_quad = a * (8 + (0.5 if c != 4 else 0)) if eager else 0.0
+    fwd_quad = a * c if eager else 0.0  # the scores before softmax
+    first_norm = sum(v for k, v in saved.items() if k.startswith("ln1."))
+    total = sum(saved.values())
+    return _Block(total, quad, bwd_tok, 0.0, fwd_quad, first_norm, total - before_mlp, attn_bwd_quad)
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_activations(model: ModelSpec, plan: Plan) -> float:
+    """Bytes per token saved outside the blocks: embeddings, final norm, the head's input."""
+    f, rg = model.family, regime(plan)
+    r, c, h = rg.resid, rg.compute, model.hidden_size
+    full = plan.method is Method.FULL
+    n = 0.0
+    if f.dropout:
+        n += h  # embedding dropout mask
+    if f.model_type == "bert":
+        n += (4 if rg.autocast else r) * h + 8  # embedding LayerNorm input
+        if full:  # MLM transform: dense input, GELU input, LayerNorm input
+            n += r * h + c * h + (4 if rg.autocast else c) * h + 8
+        head_in = c
+    elif f.norm == "rmsnorm":
+        n += 4 * h + 4 + (r * h if full else 0)
+        head_in = r
+    else:
+        n += (4 if rg.autocast else r) * h + 8
+        head_in = 4 if rg.autocast else r
+    if full and not (rg.autocast and head_in != c):  # the head's weight grad needs its input
+        n += head_in * h  # (under autocast the head's cast copy is made in the logits region)
+    return n
+
+
+def logits_bytes(model: ModelSpec, plan: Plan, tokens: int) -> tuple[float, float]:
+    """(forward transient, loss-backward) peak bytes of logits and loss intermediates.
+
+    transformers' loss upcasts the logits to fp32 and log_softmax saves its fp32 output;
+    the 16-bit logits die with the model output before backward, and in the loss
+    backward the nll and log_softmax gradients (fp32) exist beside the saved output:
+    12 bytes per logit. A fused/chunked loss holds one chunk of tokens at a time
+    (Liger's chunk rule: ~hidden/vocab of the tokens) and recomputes it in backward.
+    """
+    c = regime(plan).compute
+    v = model.vocab_size
+    up = 4 if c != 4 else 0  # the fp32 upcast is a no-op in fp32
+    cap = c if model.family.logit_softcap else 0  # gemma2's tanh soft-cap output
+    rg = regime(plan)
+    # full fine-tuning under autocast: the head casts its fp32 input to 16-bit and keeps it
+    head_cast = c * model.hidden_size * tokens if (rg.autocast and rg.resid != c and plan.method is Method.FULL) else 0
+    if plan.fused_loss:
+        chunk = min(tokens, costs.next_pow2(tokens / -(-v // model.hidden_size)))
+        # + one chunk's head-weight gradient before it is added into .grad
+        grad_w = v * model.hidden_size * (4 if c == 4 or rg.autocast else c) if plan.method is Method.FULL else 0
+        return (c + up + 4) * v * chunk + head_cast, (c + up + 12) * v * chunk + head_cast + grad_w
+    return (c + up + 4 + cap) * v * tokens + head_cast, (12 + cap) * v * tokens + head_cast
+
+
+# -- model states ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def state_bytes(model: ModelSpec, plan: Plan) -> costs.StateBytes:
+    """Model states of one rank before sharding, laid out the way the plan's engine does."""
+    n = model.n_params
+    n_lin = model.linear_params()
+    mixed = plan.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    fp32 = plan.precision is Precision.FP32
+    engine = plan.engine
+    half_params = not fp32 and not (engine in ("torch", "fsdp") and mixed)  # deepspeed or bf16-true
+
+    if plan.is_peft:
+        n_t = model.lora_params(plan.lora_rank or 0, plan.lora_targets.value)
+        base_b = 4 if fp32 else 2
+        adapter_b = 4 if (fp32 or (mixed and engine != "deepspeed")) else 2
+        if plan.method is Method.QLORA:
+            weights = n_lin * NF4_BYTES_PER_PARAM + (n - n_lin) * base_b
+        else:
+            weights = n * base_b
+        weights += n_t * adapter_b
+        trainable_w, p_b = n_t * adapter_b, adapter_b
+    else:
+        n_t = n
+        p_b = 2 if half_params else 4
+        weights = n * p_b
+        trainable_w = weights
+    grad_b = p_b
+    master = 4 * n_t if (engine == "deepspeed" and p_b == 2) else 0
+    st_b = 4 if (engine == "deepspeed" or p_b == 4) else 2  # moment dtype
+    states = _optimizer_state_bytes(model, plan, n_t, st_b)
+    return costs.StateBytes(
+        weights=weights,
+        gradients=n_t * grad_b,
+        master=master,
+        states=states,
+        trainable_weights=trainable_w,
+        grad_elem_bytes=grad_b,
+        param_elem_bytes=p_b,
+    )
+
+
+def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, moment_bytes: int) -> float:
+    opt = plan.optimizer
+    if opt is Optimizer.SGD:
+        return 0.0  # plain SGD (momentum 0) keeps no state
+    if opt is Optimizer.ADAMW:
+        return 2 * moment_bytes * n_trainable
+    if opt in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        # two 8-bit moments + an fp32 absmax per 2048-block; small tensors stay 32-bit
+        small = _small_trainable(model, plan)
+        return (2 + 8 / 2048) * (n_trainable - small) + 8 * small
+    # Adafactor: factored second moment, rows + cols per matrix, full for vectors
+    if plan.is_peft:
+        r = plan.lora_rank or 0
+        return moment_bytes * sum(
+            model.num_layers * 2 * (r + (i + o) / 2)  # A: r×in -> r+in, B: out×r -> out+r
+            for _, i, o, part in model.linears()
+            if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention"
+        )
+    matrices = model.matrix_shapes()
+    in_matrices = sum(cnt * rows * cols for cnt, rows, cols in matrices)
+    factored = sum(cnt * (rows + cols) for cnt, rows, cols in matrices)
+    return moment_bytes * (factored + (n_trainable - in_matrices))
+
+
+def _small_trainable(model: ModelSpec, plan: Plan) -> int:
+    """Trainable elements in tensors smaller than bitsandbytes' 8-bit threshold."""
+    if plan.is_peft:
+        return 0
+    return model.n_params - sum(cnt * r * c for cnt, r, c in model.matrix_shapes())
+
+
+# -- the evaluator ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimate:
+    memory: MemoryAnatomy
+    throughput: Throughput
+    peak_phase: str
+
+
+def _tokens(plan: Plan, workload: Workload) -> tuple[int, int, float, float]:
+    """(memory tokens, attended length, expected computed tokens, keys per token) per micro-batch."""
+    mb, s = plan.micro_batch, workload.seq_len
+    if plan.packing:
+        t_mem = workload.packed_tokens_peak(mb)
+        t_time = mb * workload.mean_tokens
+        d = workload.lengths
+        e_l2 = (sum(n * n * k for n, k in d.histogram) / d.total) if d else s * s
+        keys = e_l2 / (2 * workload.mean_tokens)
+        return t_mem, s, t_time, keys
+    row = workload.padded_len(mb)
+    return mb * s, s, mb * row, row
+
+
+def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
+    """The analytic anatomy and throughput of a valid plan."""
+    model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
+    rg = regime(plan)
+    masked = workload.lengths is not None and not plan.packing
+    t_mem, s, t_time, keys = _tokens(plan, workload)
+    blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu")
+    L = model.num_layers
+    c = rg.compute
+
+    # -- activations and their transients
+    block_bytes = t_mem * (blk.tok + s * blk.quad)
+    # RoPE's cos and sin, [1, positions, head_dim] each, shared by all blocks
+    rope = 2 * (t_mem if plan.packing else s) * model.head_dim * rg.resid if model.family.positions == "rope" else 0
+    head = t_mem * _head_activations(model, plan)
+    if plan.checkpointing is Checkpointing.FULL:
+        saved_blocks = L * t_mem * rg.resid * model.hidden_size  # each block's input
+        recompute = block_bytes  # one block's activations while it runs backward
+    else:
+        saved_blocks = L * block_bytes
+        if plan.is_peft:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
+            saved_blocks -= t_mem * blk.first_norm
+        recompute = 0.0
+    activations = saved_blocks + head + rope
+    logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
+    mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
+    bwd_temp = t_mem * blk.bwd_tok
+    attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
+    fwd_temp = t_mem * s * blk.fwd_quad
+    if plan.method is Method.QLORA:  # one Linear dequantized to the compute dtype at a time
+        dequant = max(i * o for _, i, o, _ in model.linears()) * c
+        bwd_temp += dequant
+        attn_bwd_temp += dequant
+        fwd_temp += dequant
+
+    # -- model states
+    sb = state_bytes(model, plan)
+    # one block's weights as ZeRO-3/FSDP gather them: in the compute dtype (NF4 stays packed)
+    layer_weights = model.layer_params() * c
+    if plan.method is Method.QLORA:
+        layer_linear = model.linear_params() / L
+        layer_weights += layer_linear * (NF4_BYTES_PER_PARAM - c)
+    layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
+    step_tmp = 0.0
+    if plan.optimizer is Optimizer.ADAFACTOR:
+        step_tmp = 2 * 4 * max(r * cc for _, r, cc in model.matrix_shapes())
+    st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, step_tmp)
+    # autocast caches a 16-bit copy of every fp32 weight a matmul uses, and the matmuls
+    # save them for backward
+    autocast_copies = 0.0
+    if rg.autocast and plan.method is Method.FULL:
+        head_copy = model.vocab_size * model.hidden_size
+        if plan.checkpointing is Checkpointing.FULL:  # only the recomputed block's copies live on
+            autocast_copies = 2 * (model.linear_params() / L + head_copy)
+        else:
+            autocast_copies = 2 * (model.linear_params() + head_copy)
+    elif rg.autocast:  # the fp32 LoRA adapters
+        autocast_copies = 2 * sb.trainable_weights / sb.param_elem_bytes
+    # gradients alive while the last block runs backward: the accumulated ones, or (first
+    # micro-batch) the output head's, sharded where the engine shards gradients
+    head_grads = model.vocab_size * model.hidden_size * sb.grad_elem_bytes if plan.method is Method.FULL else 0
+    early_grads = head_grads * st.gradients / max(sb.gradients, 1)
+
+    states = {"weights": st.weights + autocast_copies, "optimizer": st.optimizer}
+    persistent_tmp = st.comm_buffers + st.gather_peak + mask
+    moments = {
+        "forward": {
+            **states,
+            "gradients": st.grad_accum_present,
+            "activations": activations,
+            "logits": logits_fwd,
+            "temporary": persistent_tmp + fwd_temp,
+        },
+        "loss-backward": {
+            **states,
+            # a chunked loss computes the head's weight gradient inside the loss backward
+            "gradients": max(st.grad_accum_present, early_grads if plan.fused_loss else 0.0),
+            "activations": activations,
+            "logits": logits_bwd,
+            "temporary": persistent_tmp,
+        },
+        "block-backward": {
+            **states,
+            "gradients": max(st.grad_accum_present, early_grads),
+            "activations": activations - head + recompute,
+            "logits": 0.0,
+            "temporary": persistent_tmp + bwd_temp,
+        },
+        "attention-backward": {
+            **states,
+            "gradients": max(st.grad_accum_present, early_grads),
+            "activations": activations - head + recompute - t_mem * blk.mlp_tok,
+            "logits": 0.0,
+            "temporary": persistent_tmp + attn_bwd_temp,
+        },
+        "first-block-backward": {
+            **states,
+            "gradients": max(st.grad_accum_present, st.gradients - layer_trainable * sb.grad_elem_bytes
+                             * st.gradients / max(sb.gradients, 1)),
+            "activations": (t_mem * rg.resid * model.hidden_size if plan.checkpointing is Checkpointing.FULL else 0)
+            + block_bytes + rope,
+            "logits": 0.0,
+            "temporary": persistent_tmp + bwd_temp,
+        },
+        "optimizer-step": {
+            "weights": st.weights,
+            "optimizer": st.optimizer,
+            "gradients": st.gradients,
+            "activations": 0.0,
+            "logits": 0.0,
+            "temporary": st.comm_buffers + st.step_temporary,
+        },
+    }
+    phase = max(moments, key=lambda k: sum(moments[k].values()))
+    comp = {k: int(v) for k, v in moments[phase].items()}
+    peak_allocated = sum(comp.values())
+    peak_reserved = costs.reserved_bytes(peak_allocated)
+    total = costs.device_total(peak_reserved, cluster.world_size)
+    host = (st.host + costs.HOST_PROCESS_BYTES) * cluster.gpus_per_node
+    memory = MemoryAnatomy(
+        weights=comp["weights"],
+        gradients=comp["gradients"],
+        optimizer=comp["optimizer"],
+        activations=comp["activations"],
+        temporary=comp["temporary"],
+        logits=comp["logits"],
+        overhead=total - peak_allocated,
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        device_total=total,
+        host_bytes=int(host),
+    )
+    return Estimate(memory, _throughput(plan, ctx, sb, blk, t_time, keys, block_bytes), phase)
+
+
+def _throughput(plan: Plan, ctx: EvalContext, sb: costs.StateBytes, blk: _Block, tokens: float,
+                keys: float, block_bytes: float) -> Throughput:
+    model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
+    gpu = cluster.gpu
+    L = model.num_layers
+    head_params = model.vocab_size * model.hidden_size + (model.hidden_size**2 if model.family.task == "masked-lm" else 0)
+    block_mm = model.linear_params()
+    causal = model.family.task == "causal-lm"
+    attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
+    attn_fwd = 4 * tokens * attended * model.q_dim * L
+    fwd = 2 * tokens * (block_mm + head_params) + attn_fwd
+    trainable = plan.method is Method.FULL
+    bwd_mm = 2 * tokens * (block_mm + head_params) * (2 if trainable else 1)
+    bwd = bwd_mm + attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
+    if plan.is_peft:
+        n_t = sb.trainable_weights / sb.param_elem_bytes
+        fwd += 2 * tokens * n_t
+        bwd += 4 * tokens * n_t
+    recompute = (2 * tokens * block_mm + attn_fwd) if plan.checkpointing is Checkpointing.FULL else 0.0
+    flops = fwd + bwd + recompute
+
+    peak = gpu.peak_flops(costs.compute_dtype(plan))
+    eff = costs.matmul_efficiency(tokens)
+    mem_bw = gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY
+    # elementwise traffic: activations written in forward and read in backward, their
+    # grads written and read; the logits path; eager's s² tensors are in block_bytes
+    elementwise = 4 * block_bytes * L * (1.5 if plan.checkpointing is Checkpointing.FULL else 1.0)
+    logits_traffic = 0 if plan.fused_loss else (regime(plan).compute + 16) * model.vocab_size * tokens
+    dequant = 0.0
+    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use (fwd, bwd, recompute)
+        uses = 3 if plan.checkpointing is Checkpointing.FULL else 2
+        dequant = model.linear_params() * (NF4_BYTES_PER_PARAM + 2) * uses
+    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant) / mem_bw
+    backward_s = (bwd + recompute) / (peak * eff)
+    comm = costs.comm_time(plan, model, cluster, sb, backward_s)
+    opt_s = costs.optimizer_step_bytes(plan, sb) / mem_bw
+    ga = plan.grad_accum
+    step = ga * (micro_s + comm.per_micro_batch) + opt_s + comm.per_step + comm.offload
+    compute_s = ga * micro_s + opt_s
+    model_flops = ga * (fwd + bwd)
+    return Throughput(
+        tokens_per_sec=workload.tokens_per_step() / step,
+        step_time_s=step,
+        compute_s=compute_s,
+        comm_s=ga * comm.per_micro_batch + comm.per_step,
+        offload_s=comm.offload,
+        flops_per_step=ga * flops,
+        mfu=model_flops / (step * peak),
+    )
+
+
+class AnalyticEvaluator(Evaluator):
+    """Closed-form anatomy and roofline time. Assumes a valid plan (see plan_problems)."""
+
+    name = "analytic"
+
+    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+        t0 = time.perf_counter()
+        est = estimate(plan, ctx)
+        status, reason = judge(est.memory, ctx)
+        return TrialResult(
+            plan=plan,
+            status=status,
+            evaluator=self.name,
+            memory=est.memory,
+            throughput=est.throughput,
+            capacity_bytes=ctx.capacity_bytes,
+            reason=reason,
+            duration_s=time.perf_counter() - t0,
+            extra={"peak_phase": est.peak_phase},
+        )

@@ -1,0 +1,285 @@
+"""Cost-model pieces shared by the analytic and simulated evaluators.
+
+Both evaluators need the same answers to questions a single traced rank cannot answer:
+what sharding does to model states and which buckets it adds, what the CUDA context,
+NCCL and the caching allocator add on top of the tensors, how long communication,
+offload transfers and the CPU optimizer take, and how efficient matmuls are at a given
+size. Keeping them here means the two fidelities differ only where they should: in how
+they get the per-rank tensors and FLOPs (closed form vs. a traced step).
+
+The constants are defaults for hardware we cannot see from here; calibration from
+measured runs (issue "Scale out") corrects them per GPU type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision, Sharding
+from autofit.specs import ClusterSpec, ModelSpec
+
+MiB = 2**20
+GiB = 2**30
+
+# -- device-level overhead ---------------------------------------------------------------
+# CUDA context + cuBLAS workspaces of a PyTorch process with lazy module loading
+# (CUDA >= 11.7); nvidia-smi shows ~0.4-0.6 GiB before the first tensor on A100/H100.
+CUDA_CONTEXT_BYTES = 512 * MiB
+# NCCL communicators: buffers per channel and peer; grows with world size.
+NCCL_BASE_BYTES = 256 * MiB
+NCCL_PER_PEER_BYTES = 24 * MiB
+# Caching-allocator fragmentation: reserved / allocated at the peak of a training step.
+ALLOCATOR_FRAGMENTATION = 0.04
+# Host memory a training process needs beyond offloaded tensors (torch, CUDA libs, data).
+HOST_PROCESS_BYTES = 3 * GiB
+
+# -- efficiency ------------------------------------------------------------------------
+MATMUL_EFFICIENCY_MAX = 0.72  # best fraction of dense peak a large bf16 GEMM reaches
+MATMUL_HALF_TOKENS = 160  # tokens per micro-batch at which GEMMs reach half of that
+MEMORY_EFFICIENCY = 0.75  # fraction of HBM/GDDR bandwidth elementwise kernels reach
+LINK_EFFICIENCY = 0.7  # bus bandwidth NCCL reaches of the link's peak
+COMM_OVERLAP = 0.6  # fraction of gradient communication hidden behind backward compute
+CPU_ADAM_PARAMS_PER_SEC = 2.0e9  # DeepSpeedCPUAdam on one node's cores
+NVME_GBPS = 3.0  # one node's NVMe read/write bandwidth
+
+
+def nccl_bytes(world_size: int) -> int:
+    if world_size <= 1:
+        return 0
+    return NCCL_BASE_BYTES + NCCL_PER_PEER_BYTES * min(world_size - 1, 15)
+
+
+def reserved_bytes(peak_allocated: int) -> int:
+    """The caching allocator's pool at the peak: allocations rounded to 2 MiB segments plus fragmentation."""
+    rounded = -(-peak_allocated // (2 * MiB)) * (2 * MiB)
+    return int(rounded * (1 + ALLOCATOR_FRAGMENTATION))
+
+
+def device_total(peak_reserved: int, world_size: int) -> int:
+    return peak_reserved + CUDA_CONTEXT_BYTES + nccl_bytes(world_size)
+
+
+def matmul_efficiency(tokens: float) -> float:
+    """Fraction of peak a training GEMM with ``tokens`` rows reaches (saturating curve)."""
+    return MATMUL_EFFICIENCY_MAX * tokens / (tokens + MATMUL_HALF_TOKENS)
+
+
+def compute_dtype(plan: Plan) -> str:
+    return {
+        Precision.FP32: "fp32",
+        Precision.BF16_MIXED: "bf16",
+        Precision.BF16_TRUE: "bf16",
+        Precision.FP16_MIXED: "fp16",
+    }[plan.precision]
+
+
+# -- model states under sharding ---------------------------------------------------------
+@dataclass(frozen=True)
+class StateBytes:
+    """Model states of one rank *before* sharding, as the engine lays them out.
+
+    ``weights``: parameters as stored (quantized, 16-bit or fp32). ``gradients``: grads
+    of trainable parameters. ``master``: fp32 master copy (DeepSpeed mixed precision).
+    ``states``: optimizer moments. ``trainable_weights``: the part of ``weights`` that
+    is trainable (what ZeRO-1/2 gather after the step).
+    """
+
+    weights: float
+    gradients: float
+    master: float
+    states: float
+    trainable_weights: float
+    grad_elem_bytes: int  # bytes per gradient element as communicated
+    param_elem_bytes: int  # bytes per weight element as gathered (ZeRO-3/FSDP)
+
+
+@dataclass(frozen=True)
+class ShardedStates:
+    weights: float
+    gradients: float
+    optimizer: float
+    comm_buffers: float  # persistent communication buckets (DDP buckets, ZeRO-2 ipg)
+    gather_peak: float  # transient gathered params/grads of ~2 layers (ZeRO-3, FSDP)
+    step_temporary: float  # what the optimizer step allocates and frees
+    host: float  # bytes this rank keeps in host memory (offload)
+    grad_accum_present: float  # gradient bytes alive between micro-batches (grad_accum > 1)
+
+
+def deepspeed_buckets(model: ModelSpec) -> dict[str, int]:
+    """Concrete bucket sizes (elements) autofit writes into ds_config.json.
+
+    Follows the rules transformers' DeepSpeed integration applies to ``"auto"``:
+    reduce bucket = hidden², stage-3 prefetch = 0.9·hidden², persistence = 10·hidden.
+    """
+    h = model.hidden_size
+    return {
+        "reduce_bucket_size": h * h,
+        "allgather_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+        "stage3_max_live_parameters": 10**9,
+        "stage3_max_reuse_distance": 10**9,
+    }
+
+
+def shard_states(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, layer_weight_bytes: float,
+                 layer_trainable: float, step_temporary: float) -> ShardedStates:
+    """Divide model states the way the plan's engine divides them, and add its buffers."""
+    dp = cluster.world_size
+    stage = plan.zero_stage
+    ga_grads = plan.grad_accum > 1
+    buckets = deepspeed_buckets(model)
+    offload_opt = plan.offload is not Offload.NONE
+    offload_params = plan.offload is Offload.OPTIMIZER_PARAMS
+    nvme = plan.offload_device is OffloadDevice.NVME
+
+    w, g, opt = sb.weights, sb.gradients, sb.master + sb.states
+    comm = gather = 0.0
+    host = 0.0
+    step_tmp = step_temporary
+    g_accum = g if ga_grads else 0.0
+
+    if plan.engine == "torch":
+        if dp > 1:
+            comm = g  # DDP keeps a flat bucket copy of every gradient
+    elif plan.engine == "deepspeed":
+        if stage >= 1:
+            opt /= dp
+        if stage == 1:
+            comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes
+            step_tmp += 4 * sb.trainable_weights / sb.param_elem_bytes / dp  # fp32 grad partition
+        if stage >= 2:
+            g /= dp
+            g_accum = g if ga_grads else 0.0
+            comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes  # double-buffered ipg bucket
+            step_tmp += 4 * (sb.trainable_weights / sb.param_elem_bytes) / dp
+        if stage == 3:
+            w /= dp
+            gather = 2 * layer_weight_bytes + buckets["stage3_prefetch_bucket_size"] * sb.param_elem_bytes
+        if offload_opt:
+            host += opt + 4 * (sb.trainable_weights / sb.param_elem_bytes) / dp  # + fp32 grads on the CPU
+            opt = 0.0
+            step_tmp = 0.0
+        if offload_params:
+            host += w
+            w = 0.0
+    elif plan.engine == "fsdp":
+        w /= dp
+        g /= dp
+        opt /= dp
+        g_accum = g if ga_grads else 0.0
+        # FSDP2 all-gathers the current and the prefetched next block in the compute
+        # dtype and reduce-scatters one block's gradients in fp32.
+        gather = 2 * layer_weight_bytes + 4 * layer_trainable
+        if offload_opt:  # FSDP offloads params, grads and optimizer together
+            host += w + g + opt
+            w = g = opt = g_accum = 0.0
+    if nvme and host:
+        # ZeRO-Infinity keeps states on NVMe; the host holds pinned staging buffers.
+        host = min(host, max(1 * GiB, 4 * layer_weight_bytes))
+    return ShardedStates(
+        weights=w,
+        gradients=g,
+        optimizer=opt,
+        comm_buffers=comm,
+        gather_peak=gather,
+        step_temporary=step_tmp,
+        host=host,
+        grad_accum_present=g_accum,
+    )
+
+
+# -- time --------------------------------------------------------------------------------
+def link_gbps(cluster: ClusterSpec) -> float:
+    """Bandwidth of the slowest link a collective over the whole cluster crosses."""
+    bw = cluster.gpu.intra_node_gbps
+    if cluster.nodes > 1:
+        bw = min(bw, cluster.inter_node_gbps)
+    return bw * LINK_EFFICIENCY
+
+
+def collective_seconds(nbytes: float, cluster: ClusterSpec, kind: str) -> float:
+    """Ring all-reduce / all-gather / reduce-scatter time for ``nbytes`` of payload."""
+    n = cluster.world_size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}[kind] * (n - 1) / n
+    return factor * nbytes / (link_gbps(cluster) * 1e9)
+
+
+@dataclass(frozen=True)
+class CommTime:
+    per_micro_batch: float  # exposed seconds each micro-batch adds
+    per_step: float  # exposed seconds each optimizer step adds
+    offload: float  # host transfers and CPU optimizer, per step
+
+
+def comm_time(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, backward_s: float) -> CommTime:
+    """Exposed communication and offload time, given one micro-batch's backward time."""
+    n_train = sb.trainable_weights / sb.param_elem_bytes
+    grad_payload = n_train * sb.grad_elem_bytes
+    weight_payload = sb.weights
+    per_micro = per_step = offload = 0.0
+    hidden = COMM_OVERLAP * backward_s
+    if plan.engine == "torch":
+        per_step = max(0.0, collective_seconds(grad_payload, cluster, "all-reduce") - hidden)
+    elif plan.engine == "deepspeed":
+        stage = plan.zero_stage
+        if stage == 1:
+            per_step = max(0.0, collective_seconds(grad_payload, cluster, "all-reduce") - hidden)
+        else:
+            per_micro = max(0.0, collective_seconds(grad_payload, cluster, "reduce-scatter") - hidden)
+        if stage in (1, 2):
+            per_step += collective_seconds(sb.trainable_weights, cluster, "all-gather")
+        if stage == 3:
+            # parameters gathered for forward and again for backward; prefetch hides part
+            per_micro += (1 - COMM_OVERLAP) * 2 * collective_seconds(weight_payload, cluster, "all-gather")
+    elif plan.engine == "fsdp":
+        per_micro = max(0.0, collective_seconds(n_train * 4, cluster, "reduce-scatter") - hidden)
+        per_micro += (1 - COMM_OVERLAP) * 2 * collective_seconds(weight_payload, cluster, "all-gather")
+    if plan.offload is not Offload.NONE:
+        dp = cluster.world_size
+        link = cluster.gpu.host_link_gbps * LINK_EFFICIENCY * 1e9
+        shard = n_train / dp
+        # grads down, updated 16-bit params up, once per step; the CPU steps its shard
+        transfer = shard * (sb.grad_elem_bytes + sb.param_elem_bytes) / link
+        ranks_per_node = cluster.gpus_per_node
+        cpu_step = shard * ranks_per_node / CPU_ADAM_PARAMS_PER_SEC
+        offload = transfer + cpu_step
+        if plan.offload_device is OffloadDevice.NVME:
+            offload += ranks_per_node * shard * 12 * 2 / (NVME_GBPS * 1e9)  # read + write fp32 states
+        if plan.offload is Offload.OPTIMIZER_PARAMS:
+            # parameters stream from the host for forward and backward of every micro-batch
+            per_micro += 2 * (sb.weights / dp) / link
+    return CommTime(per_micro_batch=per_micro, per_step=per_step, offload=offload)
+
+
+def optimizer_step_bytes(plan: Plan, sb: StateBytes) -> float:
+    """Memory traffic of the optimizer step on the GPU (it is bandwidth-bound)."""
+    if plan.offload is not Offload.NONE:
+        return 0.0
+    n = sb.trainable_weights / sb.param_elem_bytes
+    traffic = {
+        Optimizer.ADAMW: 2 * (sb.states + sb.master) + 2 * sb.trainable_weights + sb.gradients,
+        Optimizer.ADAMW_8BIT: 2 * sb.states + 2 * sb.trainable_weights + sb.gradients,
+        Optimizer.PAGED_ADAMW_8BIT: 2 * sb.states + 2 * sb.trainable_weights + sb.gradients,
+        Optimizer.ADAFACTOR: 3 * sb.trainable_weights + sb.gradients + 4 * n,
+        Optimizer.SGD: 2 * sb.trainable_weights + sb.gradients,
+    }[plan.optimizer]
+    return traffic
+
+
+def bottleneck(components: dict[str, float]) -> str:
+    """``activation-bound``, ``optimizer-bound`` or ``weight-bound``: what dominates the peak."""
+    groups = {
+        "activation-bound": components.get("activations", 0) + components.get("logits", 0)
+        + components.get("temporary", 0),
+        "optimizer-bound": components.get("optimizer", 0) + components.get("gradients", 0),
+        "weight-bound": components.get("weights", 0),
+    }
+    return max(groups, key=lambda k: groups[k])
+
+
+def next_pow2(x: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1.0, x))))

@@ -1,0 +1,351 @@
+"""Build a model for a plan and run its training steps: one code path for every fidelity.
+
+The simulated evaluator runs these steps under fake tensors, the measured evaluator on
+real devices, and the tests on the CPU; all three go through :func:`build_model`,
+:func:`make_optimizer`, :func:`synthetic_batch` and :class:`StepRunner`, so what is
+simulated is what is measured. An optional :class:`StorageTracker` sees phases
+(forward, backward, optimizer) and the ``logits`` region (output head + loss).
+
+How a plan is laid out in one process (``layout``):
+- ``32-true``: fp32 everything. ``bf16-true``: bf16 everything (moments too).
+- mixed on plain torch: full fine-tuning keeps fp32 weights under ``torch.autocast``;
+  LoRA/QLoRA keep the frozen base in 16-bit and the adapters in fp32 (PEFT's
+  ``autocast_adapter_dtype``), also under autocast.
+- mixed under DeepSpeed or FSDP2: the module computes in 16-bit parameters (DeepSpeed
+  casts the module; FSDP2's MixedPrecisionPolicy gathers in 16-bit); the fp32 master /
+  sharded fp32 parameters are the engine's and are accounted by ``costs.shard_states``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from autofit.evaluators.costs import next_pow2
+from autofit.evaluators.memtrack import StorageTracker
+from autofit.plan import Attention, Checkpointing, LoraTargets, Method, Optimizer, Plan, Precision
+from autofit.specs import ModelSpec, Workload
+
+ATTN_IMPL = {Attention.EAGER: "eager", Attention.SDPA: "sdpa", Attention.FLASH2: "flash_attention_2"}
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Layout:
+    base_dtype: torch.dtype  # frozen base / all weights
+    adapter_dtype: torch.dtype  # LoRA adapters
+    autocast_dtype: torch.dtype | None
+
+
+def half_dtype(plan: Plan) -> torch.dtype:
+    return torch.float16 if plan.precision is Precision.FP16_MIXED else torch.bfloat16
+
+
+def layout(plan: Plan) -> Layout:
+    if plan.precision is Precision.FP32:
+        return Layout(torch.float32, torch.float32, None)
+    if plan.precision is Precision.BF16_TRUE:
+        return Layout(torch.bfloat16, torch.bfloat16, None)
+    half = half_dtype(plan)
+    if plan.engine != "torch":
+        return Layout(half, half, None)
+    if plan.method is Method.FULL:
+        return Layout(torch.float32, torch.float32, half)
+    return Layout(half, torch.float32, half)
+
+
+def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
+    return [
+        n for n, _, _, part in spec.linears()
+        if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention"
+    ]
+
+
+def lora_config(spec: ModelSpec, plan: Plan):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=plan.lora_rank,
+        lora_alpha=2 * plan.lora_rank,
+        lora_dropout=0.0,
+        target_modules=lora_target_names(spec, plan),
+        bias="none",
+    )
+
+
+def hf_model_class(spec: ModelSpec):
+    import transformers
+
+    if spec.family.task == "masked-lm":
+        return transformers.BertForMaskedLM
+    return transformers.AutoModelForCausalLM
+
+
+def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """The exact architecture with random weights and the plan applied, on ``device``."""
+    torch.manual_seed(seed)
+    lay = layout(plan)
+    cfg = spec.to_hf_config()
+    cfg._attn_implementation = ATTN_IMPL[plan.attention]
+    cfg.use_cache = False
+    cls = hf_model_class(spec)
+    with torch.device(device):
+        if cls.__name__ == "AutoModelForCausalLM":
+            model = cls.from_config(cfg, dtype=lay.base_dtype)
+        else:
+            model = cls(cfg).to(lay.base_dtype)
+    if plan.method is Method.QLORA:
+        quantize_linears(model, spec, half_dtype(plan), device)
+    if plan.is_peft:
+        from peft import get_peft_model
+
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.to(lay.adapter_dtype)
+    if plan.checkpointing is Checkpointing.FULL:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: torch.dtype, device) -> None:
+    """Replace every block Linear by a bitsandbytes NF4 Linear4bit (double-quantized).
+
+    Layer by layer, so a model is never held in 16-bit and 4-bit at once beyond one Linear.
+    """
+    import bitsandbytes as bnb
+
+    names = {n.rsplit(".", 1)[-1] for n, _, _, _ in spec.linears()}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name not in names or not isinstance(child, torch.nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True, device="meta",
+            )
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data.float(), requires_grad=False, quant_type="nf4", compress_statistics=True
+            )
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
+            setattr(parent, child_name, q.to(device))
+
+
+def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer is Optimizer.ADAMW:
+        try:
+            return torch.optim.AdamW(params, lr=lr, fused=True)
+        except (RuntimeError, ValueError):
+            return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if plan.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT else bnb.optim.AdamW8bit
+        return cls(params, lr=lr)
+    if plan.optimizer is Optimizer.ADAFACTOR:
+        return torch.optim.Adafactor(params, lr=lr, foreach=False)
+    return torch.optim.SGD(params, lr=lr, momentum=0.0)
+
+
+# -- data ----------------------------------------------------------------------------------
+def sample_lengths(workload: Workload, n: int, gen: torch.Generator, worst_case: bool) -> list[int]:
+    if workload.lengths is None:
+        return [workload.seq_len] * n
+    hist = workload.lengths.histogram
+    weights = torch.tensor([c for _, c in hist], dtype=torch.float64)
+    idx = torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
+    lengths = [hist[i][0] for i in idx]
+    if worst_case:
+        lengths[0] = workload.seq_len  # a micro-batch padded to the full length
+    return lengths
+
+
+def synthetic_batch(spec: ModelSpec, plan: Plan, workload: Workload, device="cpu", seed: int = 0,
+                    worst_case: bool = True) -> dict[str, torch.Tensor]:
+    """Random token ids shaped like the workload: padded to the micro-batch's longest
+    sequence, or packed padding-free into one row with restarting position ids."""
+    gen = torch.Generator().manual_seed(seed)
+    mb, v = plan.micro_batch, spec.vocab_size
+    lengths = sample_lengths(workload, mb, gen, worst_case)
+    if plan.packing:
+        total = sum(lengths)
+        ids = torch.randint(0, v, (1, total), generator=gen)
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        labels = ids.clone()
+        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        labels[0, starts] = IGNORE_INDEX  # no prediction across a boundary
+        batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    else:
+        width = max(lengths) if workload.lengths is not None else workload.seq_len
+        ids = torch.randint(0, v, (mb, width), generator=gen)
+        mask = torch.zeros(mb, width, dtype=torch.long)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        batch = {"input_ids": ids, "labels": labels}
+        if workload.lengths is not None:
+            batch["attention_mask"] = mask
+    return {k: t.to(device) for k, t in batch.items()}
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+# -- loss ------------------------------------------------------------------------------------
+def _chunk_loss(hidden, weight, bias, labels, softcap):
+    logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                          softcap: float | None = None) -> torch.Tensor:
+    """Cross-entropy through the output head one chunk of tokens at a time.
+
+    Each chunk is checkpointed, so neither forward nor backward ever holds more than one
+    chunk's logits. Chunk size follows Liger's fused-linear-cross-entropy rule
+    (tokens / ceil(vocab / hidden), rounded up to a power of two).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    weight = head.weight
+    bias = getattr(head, "bias", None)
+    n_tok, vocab = h.shape[0], weight.shape[0]
+    chunk = min(n_tok, next_pow2(n_tok / math.ceil(vocab / h.shape[1])))
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, n_tok, chunk):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_loss, h[i:i + chunk], weight, bias, y[i:i + chunk], softcap, use_reentrant=False
+        )
+    return total / (y != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+# -- the step ----------------------------------------------------------------------------------
+class StepRunner:
+    """Runs forward, loss, backward and the optimizer step of a plan, micro-batch by micro-batch."""
+
+    def __init__(self, spec: ModelSpec, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None) -> None:
+        self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
+        self.device = torch.device(device)
+        self.tracker = tracker
+        self.lay = layout(plan)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.base = base
+        self.head = base.get_output_embeddings()
+        cfg = base.config
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._hooks = []
+        if tracker is not None and not plan.fused_loss:
+            self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
+        if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
+            # re-enable with a context for the recompute, so recomputed tensors count as activations
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+            )
+
+    # regions: the head and the loss are "logits" until the gradient reaches the head's input
+    def _enter_logits(self, module, args):
+        self.tracker.region = "logits"
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(self._leave_logits)
+
+    def _leave_logits(self, grad):
+        self.tracker.region = ""
+        return None
+
+    def _checkpoint_contexts(self):
+        return contextlib.nullcontext(), self.tracker.in_phase("recompute")
+
+    def _autocast(self):
+        if self.lay.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.lay.autocast_dtype)
+
+    def _phase(self, name: str, step: int | None = None):
+        return self.tracker.in_phase(name, step) if self.tracker else contextlib.nullcontext()
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not self.plan.fused_loss:
+            out = self.model(**batch, use_cache=False)
+            return out.loss
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        body = self.base.base_model if hasattr(self.base, "base_model") else self.base
+        hidden = body(**inputs, use_cache=False).last_hidden_state
+        if self.spec.family.task == "masked-lm":
+            hidden = self.base.cls.predictions.transform(hidden)
+        else:
+            labels = _shift(labels)
+        if self.tracker is not None:
+            self._enter_logits(self.head, (hidden,))
+        return chunked_cross_entropy(hidden, self.head, labels, self.softcap)
+
+    def step(self, batches: list[dict[str, torch.Tensor]], step: int = 0) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
+        losses = []
+        for batch in batches:
+            with self._phase("forward", step), self._autocast():
+                loss = self.loss(batch) / len(batches)
+            if self.tracker is not None:
+                self.tracker.region = ""
+            with self._phase("backward", step):
+                if self.tracker is not None:
+                    self.tracker.region = "logits"
+                loss.backward()
+                if self.tracker is not None:
+                    self.tracker.region = ""
+            losses.append(float(loss.detach()) if loss.device.type != "meta" and not _is_fake(loss) else 0.0)
+            del loss
+        if self.tracker is not None:
+            self.tracker.mark([p.grad for p in self.model.parameters() if p.grad is not None], "gradients")
+        with self._phase("optimizer", step):
+            self.optimizer.step()
+            if self.tracker is not None:
+                self.tracker.mark(_state_tensors(self.optimizer), "optimizer")
+            self.optimizer.zero_grad(set_to_none=True)
+        return sum(losses)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                yield v
+
+
+def batches_for(spec: ModelSpec, plan: Plan, workload: Workload, device: Any = "cpu", step: int = 0,
+                worst_case: bool = True) -> list[dict[str, torch.Tensor]]:
+    return [
+        synthetic_batch(spec, plan, workload, device, seed=1000 * step + i, worst_case=worst_case)
+        for i in range(plan.grad_accum)
+    ]

@@ -1,0 +1,304 @@
+"""Plan: one combination of memory techniques, and the rules that say which combine.
+
+A :class:`Plan` is frozen and carries no model or cluster; :func:`plan_problems` checks
+it against a model, a cluster and a workload and returns *every* problem, each naming
+its fix; :func:`validate_plan` raises them together in one :class:`PlanError` (the
+torchtune habit). ``plan_id`` is a stable hash of the canonical form, so the same plan
+gets the same id in every study and database.
+
+Imports without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping
+
+from autofit.errors import PlanError
+from autofit.specs import ClusterSpec, ModelSpec, Workload
+
+
+class _Choice(str, Enum):
+    def __str__(self) -> str:  # click and f-strings show the value
+        return self.value
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class Method(_Choice):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"  # 4-bit NF4 base weights (bitsandbytes) + LoRA adapters
+
+
+class LoraTargets(_Choice):
+    ALL_LINEAR = "all-linear"  # every projection of every block (QLoRA paper default)
+    ATTENTION = "attention"  # q, k, v, o only
+
+
+class Precision(_Choice):
+    FP32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+    BF16_TRUE = "bf16-true"
+
+
+class Optimizer(_Choice):
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw-8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+    ADAFACTOR = "adafactor"
+    SGD = "sgd"
+
+
+class Checkpointing(_Choice):
+    NONE = "none"
+    FULL = "full"  # every block recomputed in backward; only block inputs are kept
+
+
+class Attention(_Choice):
+    EAGER = "eager"
+    SDPA = "sdpa"
+    FLASH2 = "flash2"
+
+
+class Sharding(_Choice):
+    NONE = "none"  # one GPU, or DDP over several
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    FSDP = "fsdp"  # FSDP2, full sharding
+
+
+class Offload(_Choice):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    OPTIMIZER_PARAMS = "optimizer+params"
+
+
+class OffloadDevice(_Choice):
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+_ENUM_FIELDS: dict[str, type[_Choice]] = {
+    "method": Method,
+    "lora_targets": LoraTargets,
+    "precision": Precision,
+    "optimizer": Optimizer,
+    "checkpointing": Checkpointing,
+    "attention": Attention,
+    "sharding": Sharding,
+    "offload": Offload,
+    "offload_device": OffloadDevice,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One technique combination. Strings are accepted for every enum field."""
+
+    method: Method = Method.FULL
+    lora_rank: int | None = None
+    lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: Optimizer = Optimizer.ADAMW
+    micro_batch: int = 1
+    grad_accum: int = 1
+    checkpointing: Checkpointing = Checkpointing.NONE
+    attention: Attention = Attention.SDPA
+    sharding: Sharding = Sharding.NONE
+    offload: Offload = Offload.NONE
+    offload_device: OffloadDevice = OffloadDevice.CPU
+    packing: bool = False
+    fused_loss: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, enum in _ENUM_FIELDS.items():
+            value = getattr(self, name)
+            if isinstance(value, enum):
+                continue
+            try:
+                object.__setattr__(self, name, enum(value))
+            except ValueError:
+                problems.append(f"{name} must be one of {', '.join(enum.values())}, got {value!r}")
+        for name in ("micro_batch", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.lora_rank is not None and (
+            not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 1
+        ):
+            problems.append(f"lora_rank must be a positive integer, got {self.lora_rank!r}")
+        for name in ("packing", "fused_loss"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if problems:
+            raise PlanError(problems)
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def is_peft(self) -> bool:
+        return self.method in (Method.LORA, Method.QLORA)
+
+    @property
+    def engine(self) -> str:
+        """What runs the plan: plain torch (one GPU or DDP), DeepSpeed, or FSDP2."""
+        if self.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
+            return "deepspeed"
+        if self.sharding is Sharding.FSDP:
+            return "fsdp"
+        return "torch"
+
+    @property
+    def zero_stage(self) -> int:
+        return {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}.get(self.sharding, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError([f"unknown plan field {k!r} (known: {', '.join(sorted(known))})" for k in unknown])
+        return cls(**dict(data))
+
+    @property
+    def plan_id(self) -> str:
+        blob = json.dumps(self.as_dict(), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line a person can read: ``lora r16 · bf16-mixed · adamw · mb2×ga8 · ckpt · sdpa``."""
+        parts = [f"{self.method.value} r{self.lora_rank}" if self.is_peft else self.method.value]
+        if self.is_peft and self.lora_targets is not LoraTargets.ALL_LINEAR:
+            parts[-1] += f" ({self.lora_targets.value})"
+        parts += [self.precision.value, self.optimizer.value, f"mb{self.micro_batch}×ga{self.grad_accum}"]
+        if self.checkpointing is not Checkpointing.NONE:
+            parts.append("ckpt")
+        parts.append(self.attention.value)
+        if self.sharding is not Sharding.NONE:
+            shard = self.sharding.value
+            if self.offload is not Offload.NONE:
+                shard += f"+offload({self.offload.value}→{self.offload_device.value})"
+            parts.append(shard)
+        if self.packing:
+            parts.append("packed")
+        if self.fused_loss:
+            parts.append("fused-loss")
+        return " · ".join(parts)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+_EIGHT_BIT = (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+
+
+def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: Workload) -> list[str]:
+    """Every reason ``plan`` cannot run ``model`` on ``cluster`` for ``workload``, with fixes."""
+    p: list[str] = []
+    gpu = cluster.gpu
+    world = cluster.world_size
+    half = plan.precision is not Precision.FP32
+
+    # LoRA
+    if plan.is_peft and plan.lora_rank is None:
+        p.append(f"method {plan.method.value} needs a LoRA rank (--lora-rank, e.g. 16)")
+    if not plan.is_peft and plan.lora_rank is not None:
+        p.append("--lora-rank applies only to method lora or qlora; drop it or pick one of those")
+    if plan.method is Method.QLORA and not half:
+        p.append("qlora computes in 16-bit: use precision bf16-mixed, fp16-mixed or bf16-true, not 32-true")
+
+    # precision and kernels against the GPU
+    if plan.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not gpu.supports_bf16:
+        p.append(
+            f"{plan.precision.value} needs bf16 (compute capability 8.0+); {gpu.name} has "
+            f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}: use fp16-mixed"
+        )
+    if plan.attention.value not in model.family.attn_impls:
+        p.append(
+            f"{model.model_type} models do not implement {plan.attention.value} attention; "
+            f"use one of {', '.join(model.family.attn_impls)}"
+        )
+    if plan.attention is Attention.FLASH2:
+        if not gpu.supports_flash2:
+            p.append(f"flash2 needs compute capability 8.0+; {gpu.name} lacks it: use sdpa")
+        if not half:
+            p.append("flash2 runs in 16-bit only: use a bf16/fp16 precision or sdpa attention")
+        if model.head_dim > 256:
+            p.append(f"flash2 supports head_dim up to 256, {model.name} has {model.head_dim}: use sdpa")
+    if plan.packing and plan.attention is not Attention.FLASH2:
+        p.append(
+            "packing needs flash2 attention (padding-free batches keep sequences apart only with "
+            "flash2's variable-length kernel); use --attention flash2 or --no-packing"
+        )
+
+    # batch semantics
+    if plan.micro_batch * plan.grad_accum * world != workload.global_batch:
+        p.append(
+            f"micro_batch × grad_accum × data-parallel ranks = {plan.micro_batch} × {plan.grad_accum} × "
+            f"{world} = {plan.micro_batch * plan.grad_accum * world}, but the global batch is "
+            f"{workload.global_batch}: pick a factorization of {workload.global_batch}"
+        )
+
+    # sharding and offload
+    if world == 1 and plan.sharding is not Sharding.NONE and plan.offload is Offload.NONE:
+        p.append(
+            f"{plan.sharding.value} on a single GPU divides nothing; use sharding none, "
+            "or add offload (zero2/zero3/fsdp with offload fits bigger models on one GPU)"
+        )
+    if plan.offload is not Offload.NONE:
+        if plan.sharding not in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP):
+            p.append("offload needs sharding zero2, zero3 or fsdp")
+        if plan.offload is Offload.OPTIMIZER_PARAMS and plan.sharding is Sharding.ZERO2:
+            p.append("offloading parameters needs zero3 or fsdp (zero2 offloads only the optimizer)")
+        if plan.sharding is Sharding.FSDP and plan.offload is Offload.OPTIMIZER:
+            p.append(
+                "FSDP offloads parameters, gradients and optimizer together: use offload optimizer+params"
+            )
+        if plan.offload_device is OffloadDevice.NVME and plan.sharding is not Sharding.ZERO3:
+            p.append("NVMe offload (ZeRO-Infinity) needs zero3; use offload device cpu")
+        if plan.optimizer in _EIGHT_BIT:
+            p.append(f"{plan.optimizer.value} keeps its states on the GPU and cannot be offloaded; use adamw")
+        elif plan.engine == "deepspeed" and plan.optimizer is not Optimizer.ADAMW:
+            p.append(f"DeepSpeed offload runs only Adam-family optimizers on the CPU; use adamw, not {plan.optimizer.value}")
+    elif plan.offload_device is not OffloadDevice.CPU:
+        p.append("--offload-device applies only with an offload; drop it")
+    if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
+        p.append(
+            f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
+            "use adamw, or sharding zero1/zero2"
+        )
+    return p
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: Workload) -> Plan:
+    problems = plan_problems(plan, model, cluster, workload)
+    if problems:
+        raise PlanError(problems)
+    return plan
+
+
+def workload_warnings(model: ModelSpec, workload: Workload) -> list[str]:
+    """Things that are allowed but probably not meant."""
+    w = []
+    if workload.seq_len > model.max_position_embeddings:
+        w.append(
+            f"--seq-len {workload.seq_len} is beyond {model.name}'s {model.max_position_embeddings} "
+            "positions; the model was not trained for it"
+        )
+    return w

@@ -1,0 +1,24 @@
+"""What is trained (ModelSpec), on what (GPUSpec, ClusterSpec), on which data (Workload).
+
+Imports without torch.
+"""
+
+from autofit.specs.cluster import ClusterSpec, parse_cluster
+from autofit.specs.gpus import GPUS, GPUSpec, resolve_gpu
+from autofit.specs.models import FAMILIES, MODELS, ModelSpec, resolve_model
+from autofit.specs.workload import LengthDistribution, Workload, load_lengths
+
+__all__ = [
+    "ClusterSpec",
+    "FAMILIES",
+    "GPUS",
+    "GPUSpec",
+    "LengthDistribution",
+    "MODELS",
+    "ModelSpec",
+    "Workload",
+    "load_lengths",
+    "parse_cluster",
+    "resolve_gpu",
+    "resolve_model",
+]

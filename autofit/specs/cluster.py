@@ -1,0 +1,82 @@
+"""ClusterSpec: which GPUs, how many per node, how many nodes, how much host memory."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from autofit.errors import SpecError
+from autofit.specs.gpus import GiB, GPUSpec, resolve_gpu
+
+# Default inter-node bandwidth per GPU, GB/s one direction: a 200 Gb/s InfiniBand or
+# RoCE NIC shared by the node's GPUs is typical of cloud training instances.
+DEFAULT_INTER_NODE_GBPS = 25.0
+
+_CLUSTER_RE = re.compile(r"^\s*(?:(?P<count>[+-]?\d+)\s*[xX*]\s*)?(?P<gpu>[A-Za-z][\w\-. ]*?)\s*$")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GPUSpec
+    gpus_per_node: int = 1
+    nodes: int = 1
+    host_memory_bytes: int = 0  # per node; 0 means the default below
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise SpecError(f"GPU count must be at least 1, got {self.gpus_per_node}")
+        if self.nodes < 1:
+            raise SpecError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.host_memory_bytes < 0:
+            raise SpecError("--host-mem must be positive")
+        if self.host_memory_bytes == 0:
+            # Cloud GPU instances carry roughly twice their GPU memory as host RAM
+            # (g5.12xlarge: 4xA10G 96 GiB / 192 GiB; p4d: 8xA100-40GB 320 GiB / 1152 GiB).
+            object.__setattr__(
+                self, "host_memory_bytes", max(32 * GiB, 2 * self.gpus_per_node * self.gpu.memory_bytes)
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def label(self) -> str:
+        base = f"{self.gpus_per_node}x{self.gpu.name}"
+        return base if self.nodes == 1 else f"{self.nodes}x({base})"
+
+    def as_dict(self) -> dict:
+        return {
+            "gpu": self.gpu.name,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "host_memory_bytes": self.host_memory_bytes,
+            "inter_node_gbps": self.inter_node_gbps,
+        }
+
+
+def parse_cluster(
+    text: str,
+    *,
+    nodes: int = 1,
+    host_memory_bytes: int = 0,
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
+) -> ClusterSpec:
+    """Parse ``2xA10``, ``A100-80GB``, ``8xH100``, ``1xrtx4090`` (GPUs per node)."""
+    if not isinstance(text, str) or not text.strip():
+        raise SpecError("--gpus is empty; write it as COUNTxGPU, e.g. 2xA10 (see `autofit gpus`)")
+    m = _CLUSTER_RE.match(text)
+    if not m or re.search(r"[xX*]\s*\d+$", m.group("gpu")):
+        raise SpecError(f"malformed --gpus {text!r}; write it as COUNTxGPU, e.g. 2xA10 or 8xH100")
+    count = int(m.group("count")) if m.group("count") is not None else 1
+    if count < 1:
+        raise SpecError(f"--gpus {text!r}: the GPU count must be at least 1")
+    gpu = resolve_gpu(m.group("gpu"))
+    return ClusterSpec(
+        gpu=gpu,
+        gpus_per_node=count,
+        nodes=nodes,
+        host_memory_bytes=host_memory_bytes,
+        inter_node_gbps=inter_node_gbps,
+    )

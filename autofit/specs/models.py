@@ -1,0 +1,495 @@
+"""Model specs: the architecture of what is trained, as data.
+
+A :class:`ModelSpec` holds the handful of config fields that decide memory and time
+(hidden size, layers, heads, KV heads, head dim, intermediate size, vocab, tied
+embeddings, max positions). The *family* (the transformers ``model_type``) decides the
+shape of the block: gated (SwiGLU/GeGLU) or plain MLP, RMSNorm or LayerNorm, how many
+norms a layer has, biases, rotary or learned positions. Families and named models are
+plain dicts, like LitGPT's ``config.py``; ``ModelSpec`` derives the parameter count from
+the fields and the registry states it, so a typo in either shows up in the tests.
+
+Imports without torch; ``to_hf_config`` imports transformers lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from autofit.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Family:
+    """Block shape of one transformers ``model_type``."""
+
+    model_type: str
+    hf_config: str  # class name in transformers
+    task: str  # "causal-lm" or "masked-lm" (decides the head and the loss)
+    gated_mlp: bool  # SwiGLU/GeGLU: gate, up, down; else fc1, fc2
+    norm: str  # "rmsnorm" or "layernorm"
+    norms_per_layer: int
+    final_norm: bool
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    positions: str  # "rope" or "learned"
+    attn_impls: tuple[str, ...]  # attention kernels transformers implements for it
+    dropout: bool  # default config trains with dropout > 0 (saves masks)
+    fused_qkv: bool = False  # one qkv projection (phi3, gpt2)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (gemma)
+    logit_softcap: bool = False  # tanh soft-capping of final logits (gemma2)
+    # config field names where the family does not use the llama names
+    keys: Mapping[str, str] = field(default_factory=dict)
+    has_head_dim_key: bool = True  # config accepts an explicit head_dim
+
+
+_LLAMA_LIKE = dict(
+    task="causal-lm",
+    gated_mlp=True,
+    norm="rmsnorm",
+    norms_per_layer=2,
+    final_norm=True,
+    qkv_bias=False,
+    out_bias=False,
+    mlp_bias=False,
+    positions="rope",
+    attn_impls=("eager", "sdpa", "flash2"),
+    dropout=False,
+)
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in [
+        Family("llama", "LlamaConfig", **_LLAMA_LIKE),
+        Family("mistral", "MistralConfig", **_LLAMA_LIKE),
+        Family("qwen2", "Qwen2Config", **{**_LLAMA_LIKE, "qkv_bias": True}, has_head_dim_key=False),
+        Family(
+            "gemma2",
+            "Gemma2Config",
+            # transformers implements no sdpa path for Gemma-2 (soft-capped attention)
+            **{**_LLAMA_LIKE, "norms_per_layer": 4, "attn_impls": ("eager", "flash2")},
+            embed_scale=True,
+            logit_softcap=True,
+        ),
+        Family("phi3", "Phi3Config", **_LLAMA_LIKE, fused_qkv=True, has_head_dim_key=False),
+        Family(
+            "gpt2",
+            "GPT2Config",
+            task="causal-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=2,
+            final_norm=True,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            positions="learned",
+            attn_impls=("eager", "sdpa", "flash2"),
+            dropout=True,
+            fused_qkv=True,
+            keys={
+                "hidden_size": "n_embd",
+                "num_hidden_layers": "n_layer",
+                "num_attention_heads": "n_head",
+                "intermediate_size": "n_inner",
+                "max_position_embeddings": "n_positions",
+            },
+            has_head_dim_key=False,
+        ),
+        Family(
+            "bert",
+            "BertConfig",
+            task="masked-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=2,
+            final_norm=False,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            positions="learned",
+            attn_impls=("eager", "sdpa"),
+            dropout=True,
+            has_head_dim_key=False,
+        ),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture fields that decide training memory and time."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    n_params: int = 0  # stated; 0 means "derive it"
+    source: str = ""  # hub id or path the fields came from
+    # further transformers config kwargs that matter to build the exact model
+    hf_extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.model_type not in FAMILIES:
+            problems.append(
+                f"model type {self.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+            )
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.num_heads % self.num_kv_heads:
+            problems.append(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if problems:
+            raise SpecError(f"model {self.name!r}: " + "; ".join(problems))
+        derived = self.derived_param_count()
+        if self.n_params == 0:
+            object.__setattr__(self, "n_params", derived)
+        elif self.n_params != derived:
+            raise SpecError(
+                f"model {self.name!r}: stated parameter count {self.n_params:,} differs from "
+                f"the {derived:,} its fields give"
+            )
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # -- parameter counts -------------------------------------------------------------
+    def embedding_params(self) -> int:
+        f, h = self.family, self.hidden_size
+        n = self.vocab_size * h
+        if f.positions == "learned":
+            n += self.max_position_embeddings * h
+        if f.model_type == "bert":
+            n += 2 * h + 2 * h  # token-type embeddings (2 types) + embedding LayerNorm
+        return n
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        f, h, i = self.family, self.hidden_size, self.intermediate_size
+        n = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if f.qkv_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        if f.out_bias:
+            n += h
+        n += (3 if f.gated_mlp else 2) * h * i
+        if f.mlp_bias:
+            n += (2 * i + h) if f.gated_mlp else (i + h)
+        n += f.norms_per_layer * (h if f.norm == "rmsnorm" else 2 * h)
+        return n
+
+    def head_params(self) -> int:
+        """Final norm + output head (zero extra weights when tied)."""
+        f, h = self.family, self.hidden_size
+        n = (h if f.norm == "rmsnorm" else 2 * h) if f.final_norm else 0
+        if f.task == "masked-lm":
+            n += h * h + h + 2 * h + self.vocab_size  # transform dense + LayerNorm + decoder bias
+        if not self.tie_word_embeddings:
+            n += self.vocab_size * h
+        return n
+
+    def derived_param_count(self) -> int:
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+
+    def linears(self) -> list[tuple[str, int, int, str]]:
+        """One block's Linear layers as ``(name, in, out, part)``, named as transformers names them.
+
+        ``part`` is ``attention`` or ``mlp``: what LoRA's ``attention`` targets select.
+        Fused projections (phi3 ``qkv_proj``/``gate_up_proj``, gpt2 ``c_attn``) are one
+        Linear, as PEFT and bitsandbytes see them.
+        """
+        f, h, i = self.family, self.hidden_size, self.intermediate_size
+        qkv = self.q_dim + 2 * self.kv_dim
+        if f.model_type == "gpt2":
+            return [("c_attn", h, qkv, "attention"), ("attn.c_proj", self.q_dim, h, "attention"),
+                    ("c_fc", h, i, "mlp"), ("mlp.c_proj", i, h, "mlp")]
+        if f.model_type == "bert":
+            return [("query", h, self.q_dim, "attention"), ("key", h, self.kv_dim, "attention"),
+                    ("value", h, self.kv_dim, "attention"), ("attention.output.dense", self.q_dim, h, "attention"),
+                    ("intermediate.dense", h, i, "mlp"), ("output.dense", i, h, "mlp")]
+        if f.fused_qkv:  # phi3
+            return [("qkv_proj", h, qkv, "attention"), ("o_proj", self.q_dim, h, "attention"),
+                    ("gate_up_proj", h, 2 * i, "mlp"), ("down_proj", i, h, "mlp")]
+        return [("q_proj", h, self.q_dim, "attention"), ("k_proj", h, self.kv_dim, "attention"),
+                ("v_proj", h, self.kv_dim, "attention"), ("o_proj", self.q_dim, h, "attention"),
+                ("gate_proj", h, i, "mlp"), ("up_proj", h, i, "mlp"), ("down_proj", i, h, "mlp")]
+
+    def linear_params(self) -> int:
+        """Weights of the blocks' Linear layers (what LoRA targets and 4-bit quantizes)."""
+        return self.num_layers * sum(i * o for _, i, o, _ in self.linears())
+
+    def lora_params(self, rank: int, targets: str = "all-linear") -> int:
+        """Trainable parameters LoRA adds: ``rank × (in + out)`` per targeted Linear."""
+        per_layer = sum(rank * (i + o) for _, i, o, part in self.linears()
+                        if targets == "all-linear" or part == "attention")
+        return self.num_layers * per_layer
+
+    def matrix_shapes(self) -> list[tuple[int, int, int]]:
+        """``(count, rows, cols)`` of every 2-D parameter (Linear weights and embeddings)."""
+        shapes = [(self.num_layers, o, i) for _, i, o, _ in self.linears()]
+        shapes.append((1, self.vocab_size, self.hidden_size))
+        if self.family.positions == "learned":
+            shapes.append((1, self.max_position_embeddings, self.hidden_size))
+        if not self.tie_word_embeddings:
+            shapes.append((1, self.vocab_size, self.hidden_size))
+        if self.family.task == "masked-lm":
+            shapes.append((1, self.hidden_size, self.hidden_size))
+        return shapes
+
+    # -- identity ---------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["hf_extra"] = dict(self.hf_extra)
+        return d
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hash of what decides memory and time (the name is left out)."""
+        d = self.as_dict()
+        d.pop("name")
+        d.pop("source")
+        blob = json.dumps(d, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def variant(self, **overrides: Any) -> "ModelSpec":
+        """A resized copy (e.g. a 2-layer model for CPU tests); the count is re-derived."""
+        name = overrides.pop("name", None)
+        if name is None:
+            name = self.name + "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        if "num_heads" in overrides and "num_kv_heads" not in overrides:
+            overrides["num_kv_heads"] = min(self.num_kv_heads, overrides["num_heads"])
+        return dataclasses.replace(self, name=name, n_params=0, **overrides)
+
+    # -- transformers -----------------------------------------------------------------
+    def hf_config_kwargs(self) -> dict[str, Any]:
+        f = self.family
+        kw: dict[str, Any] = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        if f.model_type not in ("gpt2", "bert"):
+            kw["num_key_value_heads"] = self.num_kv_heads
+        if f.has_head_dim_key:
+            kw["head_dim"] = self.head_dim
+        kw = {f.keys.get(k, k): v for k, v in kw.items()}
+        kw.update(dict(self.hf_extra))
+        return kw
+
+    def to_hf_config(self):
+        """The transformers config of this architecture (imports transformers)."""
+        import transformers
+
+        cls = getattr(transformers, self.family.hf_config)
+        cfg = cls(**self.hf_config_kwargs())
+        if self.family.model_type == "gpt2":
+            cfg.n_inner = self.intermediate_size
+        for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value >= self.vocab_size:  # a resized vocab (tiny variants)
+                setattr(cfg, attr, None)
+        return cfg
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, name: str | None = None, source: str = "") -> "ModelSpec":
+        """Read the fields from a transformers config object (or its ``to_dict()``)."""
+        d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
+        model_type = d.get("model_type")
+        if model_type not in FAMILIES:
+            raise SpecError(
+                f"model type {model_type!r} is not supported "
+                f"(supported: {', '.join(sorted(FAMILIES))})"
+            )
+        f = FAMILIES[model_type]
+
+        def get(key: str, default: Any = None) -> Any:
+            return d.get(f.keys.get(key, key), default)
+
+        missing = [
+            f.keys.get(k, k)
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if get(k) is None
+        ]
+        if missing:
+            raise SpecError(
+                f"config of {name or source or model_type!r} lacks the fields {', '.join(missing)}"
+            )
+        h, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        inter = get("intermediate_size")
+        if inter is None:  # gpt2: n_inner None means 4*h
+            inter = 4 * h
+        head_dim = d.get("head_dim") or h // heads
+        extra: dict[str, Any] = {}
+        return cls(
+            name=name or source or model_type,
+            model_type=model_type,
+            hidden_size=h,
+            num_layers=int(get("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(inter),
+            vocab_size=int(get("vocab_size")),
+            max_position_embeddings=int(get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gpt2", "bert"))),
+            source=source,
+            hf_extra=tuple(sorted(extra.items())),
+        )
+
+
+# --------------------------------------------------------------------------------------
+# The registry. Fields are copied from each model's config.json on the Hugging Face hub
+# (``source``); n_params is the count of the transformers model built from them
+# (AutoModelForCausalLM / BertForMaskedLM), checked by tests/specs/test_models.py.
+# --------------------------------------------------------------------------------------
+_REGISTRY: list[dict[str, Any]] = [
+    dict(name="mistral-7b", source="mistralai/Mistral-7B-v0.1", model_type="mistral",
+         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+         intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768,
+         tie_word_embeddings=False, n_params=7_241_732_096,
+         hf_extra=(("sliding_window", 4096),)),
+    dict(name="llama-2-7b", source="meta-llama/Llama-2-7b-hf", model_type="llama",
+         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+         intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
+         tie_word_embeddings=False, n_params=6_738_415_616),
+    dict(name="llama-2-13b", source="meta-llama/Llama-2-13b-hf", model_type="llama",
+         hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+         intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096,
+         tie_word_embeddings=False, n_params=13_015_864_320),
+    dict(name="llama-3-8b", source="meta-llama/Meta-Llama-3-8B", model_type="llama",
+         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+         tie_word_embeddings=False, n_params=8_030_261_248),
+    dict(name="llama-3-70b", source="meta-llama/Meta-Llama-3-70B", model_type="llama",
+         hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+         intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192,
+         tie_word_embeddings=False, n_params=70_553_706_496),
+    dict(name="llama-3.2-1b", source="meta-llama/Llama-3.2-1B", model_type="llama",
+         hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+         intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+         tie_word_embeddings=True, n_params=1_235_814_400),
+    dict(name="llama-3.2-3b", source="meta-llama/Llama-3.2-3B", model_type="llama",
+         hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
+         intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+         tie_word_embeddings=True, n_params=3_212_749_824),
+    dict(name="qwen2.5-0.5b", source="Qwen/Qwen2.5-0.5B", model_type="qwen2",
+         hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+         tie_word_embeddings=True, n_params=494_032_768),
+    dict(name="qwen2.5-7b", source="Qwen/Qwen2.5-7B", model_type="qwen2",
+         hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+         intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072,
+         tie_word_embeddings=False, n_params=7_615_616_512),
+    dict(name="qwen2.5-72b", source="Qwen/Qwen2.5-72B", model_type="qwen2",
+         hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+         intermediate_size=29568, vocab_size=152064, max_position_embeddings=131072,
+         tie_word_embeddings=False, n_params=72_706_203_648),
+    dict(name="gemma-2-9b", source="google/gemma-2-9b", model_type="gemma2",
+         hidden_size=3584, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
+         intermediate_size=14336, vocab_size=256000, max_position_embeddings=8192,
+         tie_word_embeddings=True, n_params=9_241_705_984,
+         hf_extra=(("query_pre_attn_scalar", 256),)),
+    dict(name="phi-3-mini", source="microsoft/Phi-3-mini-4k-instruct", model_type="phi3",
+         hidden_size=3072, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=96,
+         intermediate_size=8192, vocab_size=32064, max_position_embeddings=4096,
+         tie_word_embeddings=False, n_params=3_821_079_552),
+    dict(name="gpt2", source="openai-community/gpt2", model_type="gpt2",
+         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
+         intermediate_size=3072, vocab_size=50257, max_position_embeddings=1024,
+         tie_word_embeddings=True, n_params=124_439_808),
+    dict(name="gpt2-xl", source="openai-community/gpt2-xl", model_type="gpt2",
+         hidden_size=1600, num_layers=48, num_heads=25, num_kv_heads=25, head_dim=64,
+         intermediate_size=6400, vocab_size=50257, max_position_embeddings=1024,
+         tie_word_embeddings=True, n_params=1_557_611_200),
+    dict(name="bert-large-uncased", source="google-bert/bert-large-uncased", model_type="bert",
+         hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
+         intermediate_size=4096, vocab_size=30522, max_position_embeddings=512,
+         tie_word_embeddings=True, n_params=335_174_458),
+]
+
+MODELS: dict[str, ModelSpec] = {d["name"]: ModelSpec(**d) for d in _REGISTRY}
+
+
+def resolve_model(ref: str) -> ModelSpec:
+    """A registered name, a local directory / config.json, or a hub id.
+
+    Hub ids are read with ``transformers.AutoConfig`` and ``trust_remote_code=False``:
+    autofit never runs code from a model repository.
+    """
+    if not isinstance(ref, str) or not ref.strip():
+        raise SpecError("--model is empty; give a registered name (see `autofit models`), a config.json or a hub id")
+    key = ref.strip()
+    if key.lower() in MODELS:
+        return MODELS[key.lower()]
+    if os.path.exists(key):
+        path = os.path.join(key, "config.json") if os.path.isdir(key) else key
+        if not os.path.isfile(path):
+            raise SpecError(f"{key!r} is a directory without a config.json")
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecError(f"cannot read model config {path!r}: {exc}") from None
+        if not isinstance(data, dict):
+            raise SpecError(f"model config {path!r} is not a JSON object")
+        return ModelSpec.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))) if os.path.isdir(key) else key, source=path)
+    if "/" in key and not key.startswith((".", "/")):
+        return _from_hub(key)
+    close = difflib.get_close_matches(key.lower(), list(MODELS), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise SpecError(
+        f"unknown model {ref!r}: {hint}use a registered name (`autofit models`), "
+        "a local config.json or directory, or a hub id like org/name"
+    )
+
+
+def _from_hub(hub_id: str) -> ModelSpec:
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(hub_id, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - any failure of the hub is the user's to fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecError(
+            f"cannot fetch the config of hub id {hub_id!r} ({first[:160]}); when offline, "
+            "pass a local config.json or a registered name (`autofit models`)"
+        ) from None
+    return ModelSpec.from_hf_config(cfg, name=hub_id, source=hub_id)
