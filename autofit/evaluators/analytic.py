@@ -73,11 +73,12 @@ def regime(plan: Plan) -> _Regime:
 class _Block:
     tok: float  # bytes per token one block saves for backward
     quad: float  # bytes per token per attended position (eager's s² terms)
-    bwd_tok: float  # transient bytes per token while a block runs backward
-    bwd_quad: float
+    bwd_tok: float  # transient bytes per token while a block's MLP runs backward
     fwd_quad: float  # transient s² bytes per token while eager attention runs forward
     first_norm: float  # bytes per token the block's first norm saves
     mlp_tok: float  # bytes per token the MLP half saves (freed before attention's backward)
+    attn_freed: float  # bytes per token of attention's output side freed before its softmax backward
+    probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
 
 
@@ -232,7 +233,10 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
     fwd_quad = a * c if eager else 0.0  # the scores before softmax
     first_norm = sum(v for k, v in saved.items() if k.startswith("ln1."))
     total = sum(saved.values())
-    return _Block(total, quad, bwd_tok, 0.0, fwd_quad, first_norm, total - before_mlp, attn_bwd_quad)
+    probs_quad = a * c if eager and c != 4 and f.model_type not in ("gpt2", "bert") else 0.0
+    attn_freed = saved.get("o_in", 0.0)
+    return _Block(total, quad, bwd_tok, fwd_quad, first_norm, total - before_mlp, attn_freed, probs_quad,
+                  attn_bwd_quad)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -440,6 +444,10 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     # micro-batch) the output head's, sharded where the engine shards gradients
     head_grads = model.vocab_size * model.hidden_size * sb.grad_elem_bytes if plan.method is Method.FULL else 0
     early_grads = head_grads * st.gradients / max(sb.gradients, 1)
+    block_tail_grads = 0.0
+    if plan.method is Method.FULL:
+        tail = sum(i * o for n, i, o, part in model.linears() if part == "mlp" or n in ("o_proj", "attn.c_proj"))
+        block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
 
     states = {"weights": st.weights + autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + mask
@@ -466,10 +474,13 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
             "logits": 0.0,
             "temporary": persistent_tmp + bwd_temp,
         },
+        # mid-softmax-backward of the last block: its MLP, o_proj input and 16-bit probs
+        # are freed, the MLP's and o_proj's weight gradients exist
         "attention-backward": {
             **states,
-            "gradients": max(st.grad_accum_present, early_grads),
-            "activations": activations - head + recompute - t_mem * blk.mlp_tok,
+            "gradients": max(st.grad_accum_present, early_grads + block_tail_grads),
+            "activations": activations - head + recompute - t_mem * (blk.mlp_tok + blk.attn_freed)
+            - t_mem * s * blk.probs_quad,
             "logits": 0.0,
             "temporary": persistent_tmp + attn_bwd_temp,
         },

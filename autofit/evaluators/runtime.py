@@ -111,9 +111,18 @@ def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu",
             if p.requires_grad:
                 p.data = p.data.to(lay.adapter_dtype)
     if plan.checkpointing is Checkpointing.FULL:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     model.train()
     return model
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Activation checkpointing through the model's own API (renamed in transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: torch.dtype, device) -> None:
@@ -258,9 +267,7 @@ class StepRunner:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
         if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as activations
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
-            )
+            enable_checkpointing(model, {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
     def _enter_logits(self, module, args):

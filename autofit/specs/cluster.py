@@ -56,6 +56,14 @@ class ClusterSpec:
         }
 
 
+def _is_gpu(name: str) -> bool:
+    try:
+        resolve_gpu(name)
+    except SpecError:
+        return False
+    return True
+
+
 def parse_cluster(
     text: str,
     *,
@@ -67,12 +75,19 @@ def parse_cluster(
     if not isinstance(text, str) or not text.strip():
         raise SpecError("--gpus is empty; write it as COUNTxGPU, e.g. 2xA10 (see `autofit gpus`)")
     m = _CLUSTER_RE.match(text)
-    if not m or re.search(r"[xX*]\s*\d+$", m.group("gpu")):
-        raise SpecError(f"malformed --gpus {text!r}; write it as COUNTxGPU, e.g. 2xA10 or 8xH100")
+    malformed = SpecError(f"malformed --gpus {text!r}; write it as COUNTxGPU, e.g. 2xA10 or 8xH100")
+    if not m:
+        raise malformed
     count = int(m.group("count")) if m.group("count") is not None else 1
     if count < 1:
         raise SpecError(f"--gpus {text!r}: the GPU count must be at least 1")
-    gpu = resolve_gpu(m.group("gpu"))
+    try:
+        gpu = resolve_gpu(m.group("gpu"))
+    except SpecError:
+        tail = re.match(r"^(.+?)\s*[xX*]\s*\d+$", m.group("gpu"))
+        if tail and _is_gpu(tail.group(1)):  # "2xA10x3": a known GPU followed by a second count
+            raise malformed from None
+        raise
     return ClusterSpec(
         gpu=gpu,
         gpus_per_node=count,

@@ -1,0 +1,23 @@
+"""The ``autofit`` command: thin click shells over the library (parse -> one call -> report)."""
+
+from __future__ import annotations
+
+import click
+
+from autofit.cli.catalog import gpus, models
+from autofit.cli.estimate import estimate
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="autofit")
+def cli() -> None:
+    """Find the fastest LLM training plan that fits the GPUs you have."""
+
+
+cli.add_command(estimate)
+cli.add_command(gpus)
+cli.add_command(models)
+
+
+def main() -> None:
+    cli(prog_name="autofit")

@@ -1,0 +1,32 @@
+"""``autofit gpus`` and ``autofit models``: the catalogs."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+
+from autofit import report
+from autofit.cli.options import handle_errors, json_option
+from autofit.specs import GPUS, MODELS
+
+
+@click.command()
+@json_option
+@handle_errors
+def gpus(as_json: bool) -> None:
+    """List the GPU catalog (dense peak rates from vendor datasheets)."""
+    if as_json:
+        click.echo(report.dumps([report.gpu_dict(g) for g in GPUS.values()]))
+        return
+    Console().print(report.gpus_table(GPUS.values()))
+
+
+@click.command()
+@json_option
+@handle_errors
+def models(as_json: bool) -> None:
+    """List the registered model architectures."""
+    if as_json:
+        click.echo(report.dumps([m.as_dict() for m in MODELS.values()]))
+        return
+    Console().print(report.models_table(MODELS.values()))

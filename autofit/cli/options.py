@@ -1,0 +1,102 @@
+"""Reusable option stacks (sqlite-utils style) and the parsing they share."""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Callable
+
+import click
+
+from autofit.errors import AutofitError, SpecError
+from autofit.plan import (
+    Attention,
+    Checkpointing,
+    LoraTargets,
+    Method,
+    Offload,
+    OffloadDevice,
+    Optimizer,
+    Precision,
+    Sharding,
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``256GiB``, ``64gb``, ``1.5TiB`` -> bytes."""
+    m = _SIZE_RE.match(text or "")
+    if not m:
+        raise SpecError(f"cannot read size {text!r}; write it like 256GiB or 64GB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def positive_int(name: str):
+    return click.IntRange(min=1)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn autofit's errors into one clear line and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except AutofitError as exc:
+            raise click.ClickException(str(exc)) from None
+        except KeyboardInterrupt:
+            raise click.ClickException("interrupted") from None
+
+    return wrapper
+
+
+def _choice(enum) -> click.Choice:
+    return click.Choice(enum.values(), case_sensitive=False)
+
+
+def target_options(fn: Callable) -> Callable:
+    """--model, --gpus and the cluster/workload shape."""
+    decorators = [
+        click.option("--model", "-m", required=True, help="Registered name (`autofit models`), a config.json or directory, or a hub id."),
+        click.option("--gpus", "-g", required=True, help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`)."),
+        click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of nodes."),
+        click.option("--host-mem", default=None, help="Host memory per node for offload, e.g. 256GiB (default: twice the node's GPU memory)."),
+        click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length in tokens."),
+        click.option("--global-batch", type=click.IntRange(min=1), default=None, help="Sequences per optimizer step (default: micro-batch × grad-accum × GPUs)."),
+        click.option("--lengths", "lengths_path", type=click.Path(dir_okay=False), default=None, help="Dataset lengths: a .jsonl with text/num_tokens, or a .json histogram."),
+        click.option("--headroom", type=click.FloatRange(0.0, 0.9), default=0.05, show_default=True, help="Fraction of GPU memory kept free."),
+    ]
+    for d in reversed(decorators):
+        fn = d(fn)
+    return fn
+
+
+def plan_options(fn: Callable) -> Callable:
+    """One option per Plan field."""
+    decorators = [
+        click.option("--method", type=_choice(Method), default="full", show_default=True),
+        click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (lora/qlora; default 16)."),
+        click.option("--lora-targets", type=_choice(LoraTargets), default="all-linear", show_default=True),
+        click.option("--precision", type=_choice(Precision), default=None, help="Default: bf16-mixed where the GPU has bf16, else fp16-mixed."),
+        click.option("--optimizer", type=_choice(Optimizer), default="adamw", show_default=True),
+        click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--grad-accum", type=click.IntRange(min=1), default=None, help="Default: what the global batch needs."),
+        click.option("--checkpointing", type=_choice(Checkpointing), default="none", show_default=True),
+        click.option("--attention", type=_choice(Attention), default="sdpa", show_default=True),
+        click.option("--sharding", type=_choice(Sharding), default="none", show_default=True),
+        click.option("--offload", type=_choice(Offload), default="none", show_default=True),
+        click.option("--offload-device", type=_choice(OffloadDevice), default="cpu", show_default=True),
+        click.option("--packing/--no-packing", default=False, show_default=True),
+        click.option("--fused-loss/--no-fused-loss", default=False, show_default=True),
+    ]
+    for d in reversed(decorators):
+        fn = d(fn)
+    return fn
+
+
+def json_option(fn: Callable) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)

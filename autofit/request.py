@@ -1,0 +1,64 @@
+"""From what a user typed to the library's frozen objects: EvalContext and Plan.
+
+Shared by every command that takes a model, GPUs and a workload, so that the same words
+mean the same thing in ``estimate``, ``search`` and ``best``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.errors import PlanError, SpecError
+from autofit.evaluators.base import EvalContext
+from autofit.plan import Plan, Precision
+from autofit.specs import ClusterSpec, Workload, load_lengths, parse_cluster, resolve_model
+
+DEFAULT_GLOBAL_BATCH = 16
+DEFAULT_LORA_RANK = 16
+
+
+def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) -> ClusterSpec:
+    from autofit.cli.options import parse_size
+
+    host = parse_size(host_mem) if isinstance(host_mem, str) else int(host_mem or 0)
+    return parse_cluster(gpus, nodes=nodes, host_memory_bytes=host)
+
+
+def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int | None = None, seq_len: int = 2048,
+                  global_batch: int | None = None, lengths_path: str | None = None, headroom: float = 0.05,
+                  plan_opts: dict[str, Any] | None = None) -> EvalContext:
+    """The request's target. Without --global-batch, a given micro-batch × grad-accum defines it."""
+    spec = resolve_model(model)
+    cluster = build_cluster(gpus, nodes, host_mem)
+    if global_batch is None:
+        opts = plan_opts or {}
+        if opts.get("micro_batch") is not None and opts.get("grad_accum") is not None:
+            global_batch = opts["micro_batch"] * opts["grad_accum"] * cluster.world_size
+        else:
+            global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
+    lengths = load_lengths(lengths_path) if lengths_path else None
+    if not 0 <= headroom < 1:
+        raise SpecError(f"--headroom must be in [0, 1), got {headroom}")
+    return EvalContext(spec, cluster, Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths), headroom)
+
+
+def default_precision(cluster: ClusterSpec) -> Precision:
+    return Precision.BF16_MIXED if cluster.gpu.supports_bf16 else Precision.FP16_MIXED
+
+
+def build_plan(ctx: EvalContext, **opts: Any) -> Plan:
+    """A Plan from CLI options; unset knobs get defaults that are valid for the target."""
+    opts = {k: v for k, v in opts.items() if v is not None}
+    opts.setdefault("precision", default_precision(ctx.cluster))
+    if opts.get("method", "full") in ("lora", "qlora"):
+        opts.setdefault("lora_rank", DEFAULT_LORA_RANK)
+    mb = opts.get("micro_batch", 1)
+    if "grad_accum" not in opts:
+        per_step = mb * ctx.cluster.world_size
+        if ctx.workload.global_batch % per_step:
+            raise PlanError([
+                f"the global batch {ctx.workload.global_batch} is not divisible by micro_batch × GPUs = "
+                f"{mb} × {ctx.cluster.world_size}; pick another --micro-batch or --global-batch"
+            ])
+        opts["grad_accum"] = ctx.workload.global_batch // per_step
+    return Plan(**opts)

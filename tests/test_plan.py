@@ -1,0 +1,63 @@
+import pytest
+
+from autofit.errors import PlanError
+from autofit.plan import Plan, plan_problems, validate_plan
+from autofit.specs import MODELS, Workload, parse_cluster
+
+
+def test_plan_accepts_strings_and_has_a_stable_id():
+    a = Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=2, grad_accum=4)
+    b = Plan.from_dict(a.as_dict())
+    assert a == b and a.plan_id == b.plan_id and len(a.plan_id) == 12
+    assert a.plan_id != a.replace(micro_batch=4).plan_id
+
+
+def test_bad_field_values_are_all_reported():
+    with pytest.raises(PlanError) as exc:
+        Plan(method="bogus", micro_batch=0, precision="fp8")
+    assert len(exc.value.problems) == 3
+
+
+def test_unknown_keys_are_rejected():
+    with pytest.raises(PlanError, match="unknown plan field 'rank'"):
+        Plan.from_dict({"rank": 3})
+
+
+def test_validation_collects_every_problem_with_its_fix():
+    problems = plan_problems(
+        Plan(precision="bf16-mixed", attention="flash2", offload="optimizer", micro_batch=3, grad_accum=1),
+        MODELS["llama-3-8b"], parse_cluster("1xV100-16GB"), Workload(seq_len=512, global_batch=8),
+    )
+    text = " | ".join(problems)
+    assert "use fp16-mixed" in text
+    assert "flash2 needs compute capability" in text
+    assert "offload needs sharding zero2, zero3 or fsdp" in text
+    assert "global batch is 8" in text
+    assert len(problems) == 4
+
+
+@pytest.mark.parametrize("plan,fragment", [
+    (Plan(method="lora"), "needs a LoRA rank"),
+    (Plan(lora_rank=8), "applies only to method lora"),
+    (Plan(method="qlora", lora_rank=8, precision="32-true"), "qlora computes in 16-bit"),
+    (Plan(packing=True), "packing needs flash2"),
+    (Plan(sharding="zero2", offload="optimizer+params"), "needs zero3 or fsdp"),
+    (Plan(sharding="fsdp", offload="optimizer"), "use offload optimizer+params"),
+    (Plan(sharding="zero2", offload="optimizer", offload_device="nvme"), "needs zero3"),
+    (Plan(sharding="zero3", optimizer="adamw-8bit"), "does not step on ZeRO-3"),
+    (Plan(sharding="zero3", offload="optimizer", optimizer="adafactor"), "Adam-family"),
+])
+def test_incompatible_combinations_name_the_fix(plan, fragment):
+    problems = plan_problems(plan, MODELS["mistral-7b"], parse_cluster("2xA100-80GB"), Workload(seq_len=512, global_batch=2))
+    assert any(fragment in p for p in problems), problems
+
+
+def test_single_gpu_sharding_needs_offload():
+    c, w, m = parse_cluster("1xA10"), Workload(seq_len=512, global_batch=1), MODELS["gpt2"]
+    assert any("divides nothing" in p for p in plan_problems(Plan(sharding="zero2"), m, c, w))
+    assert not plan_problems(Plan(sharding="zero2", offload="optimizer"), m, c, w)
+
+
+def test_gemma2_has_no_sdpa():
+    with pytest.raises(PlanError, match="do not implement sdpa"):
+        validate_plan(Plan(), MODELS["gemma-2-9b"], parse_cluster("1xA100"), Workload(seq_len=512, global_batch=1))
