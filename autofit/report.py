@@ -109,3 +109,82 @@ def models_table(models: Iterable[ModelSpec]) -> Table:
             str(m.vocab_size), "yes" if m.tie_word_embeddings else "no", str(m.max_position_embeddings),
         )
     return table
+
+
+# -- search ---------------------------------------------------------------------------------
+def result_line(r: TrialResult) -> str:
+    mem = f"{gib(r.memory.device_total)} GiB" if r.memory else "-"
+    tps = f"{r.tokens_per_sec:,.0f} tok/s" if r.throughput and r.tokens_per_sec else ""
+    why = f" — {r.reason}" if r.reason and not r.fits else ""
+    return f"{r.status.value:7s} {mem:>11s} {tps:>14s}  {r.plan.summary()}{why}"
+
+
+class SearchProgress:
+    """Plain progress lines on stderr (one per finished trial, plus the best so far)."""
+
+    def __init__(self, console: Console, request) -> None:
+        self.console = console
+        self.request = request
+        self.best: TrialResult | None = None
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        c = self.console
+        if event == "screening":
+            space = data["space"]
+            c.print(f"screening the space of {self.request.ctx.model.name} on {self.request.ctx.cluster.label} "
+                    f"with the analytic model …")
+        elif event == "screened":
+            c.print(f"  {data['n']} plans, {data['fits']} predicted to fit; evaluating with "
+                    f"[bold]{self.request.backend}[/bold], budget {self.request.trials} trials")
+        elif event == "trial-done":
+            r: TrialResult = data["result"]
+            if r.fits and (self.best is None or r.tokens_per_sec > self.best.tokens_per_sec):
+                self.best = r
+            c.print(f"  #{data['number']:<3d} {result_line(r)}", highlight=False)
+
+
+def outcome_dict(outcome, exported: list) -> dict[str, Any]:
+    return {
+        "study": outcome.study.name,
+        "from_store": outcome.from_store,
+        "interrupted": outcome.interrupted,
+        "elapsed_s": outcome.elapsed_s,
+        "counts": outcome.counts(),
+        "best": outcome.best.as_dict() if outcome.best else None,
+        "best_per_method": {k: v.as_dict() for k, v in outcome.best_per_method.items()},
+        "closest": outcome.closest.as_dict() if outcome.closest else None,
+        "advice": list(outcome.advice),
+        "exported": [str(p) for p in exported],
+    }
+
+
+def print_outcome(console: Console, outcome, request, exported: list, db_url: str) -> None:
+    ctx = request.ctx
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(outcome.counts().items()))
+    source = "answered from the store" if outcome.from_store else f"{outcome.elapsed_s:.1f} s"
+    console.print(f"\nstudy [bold]{outcome.study.name}[/bold] ({source}; {counts}) · {request.backend} · db {db_url}")
+    if outcome.interrupted:
+        console.print("[yellow]interrupted[/yellow]: finished trials are stored; continue with --resume")
+    if outcome.best is None:
+        console.print(f"[red]no plan fits[/red] {ctx.model.name} on {ctx.cluster.label} at seq {ctx.workload.seq_len}.")
+        for line in outcome.advice:
+            console.print(f"  · {line}")
+        return
+    best = outcome.best
+    console.print(f"\n[bold green]winner[/bold green]: {best.plan.summary()}")
+    console.print(anatomy_table(best))
+    t = best.throughput
+    console.print(f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
+                  f"{gib(best.memory.device_total)} of {gib(ctx.capacity_bytes)} GiB · {best.memory.bottleneck}")
+    table = Table(title="best plan per method", show_header=True, header_style="bold")
+    for col in ("method", "plan", "GiB", "tokens/s", "vs winner"):
+        table.add_column(col, justify="right" if col in ("GiB", "tokens/s", "vs winner") else "left")
+    for method, r in outcome.best_per_method.items():
+        table.add_row(method, r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
+                      f"{r.tokens_per_sec / best.tokens_per_sec:.0%}")
+    for method in ("full", "lora", "qlora"):
+        if method not in outcome.best_per_method and method in [m.value for m in request.allowed.methods]:
+            table.add_row(method, "[dim]nothing of this method fits[/dim]", "", "", "")
+    console.print(table)
+    if exported:
+        console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")

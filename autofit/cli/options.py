@@ -35,8 +35,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def positive_int(name: str):
-    return click.IntRange(min=1)
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([hms]?)", re.I)
+
+
+def parse_duration(text: str | float | int | None) -> float | None:
+    """``90``, ``90s``, ``10m``, ``1h30m`` -> seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    s = str(text).strip().lower()
+    parts = _DURATION_RE.findall(s)
+    if not parts or _DURATION_RE.sub("", s).strip():
+        raise SpecError(f"cannot read duration {text!r}; write it like 90s, 10m or 1h30m")
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
+    if seconds <= 0:
+        raise SpecError(f"duration {text!r} must be positive")
+    return seconds
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -58,11 +71,13 @@ def _choice(enum) -> click.Choice:
     return click.Choice(enum.values(), case_sensitive=False)
 
 
-def target_options(fn: Callable) -> Callable:
-    """--model, --gpus and the cluster/workload shape."""
+def target_options(fn: Callable | None = None, *, required: bool = True) -> Callable:
+    """--model, --gpus and the cluster/workload shape (``required=False`` where a study file may give them)."""
+    if fn is None:
+        return lambda f: target_options(f, required=required)
     decorators = [
-        click.option("--model", "-m", required=True, help="Registered name (`autofit models`), a config.json or directory, or a hub id."),
-        click.option("--gpus", "-g", required=True, help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`)."),
+        click.option("--model", "-m", required=required, help="Registered name (`autofit models`), a config.json or directory, or a hub id."),
+        click.option("--gpus", "-g", required=required, help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`)."),
         click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of nodes."),
         click.option("--host-mem", default=None, help="Host memory per node for offload, e.g. 256GiB (default: twice the node's GPU memory)."),
         click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length in tokens."),

@@ -1,0 +1,97 @@
+"""``autofit search``: the main job."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+from click.core import ParameterSource
+from rich.console import Console
+
+from autofit import report
+from autofit.cli.options import db_option, handle_errors, json_option, parse_duration, target_options
+from autofit.errors import SpecError
+
+
+@click.command()
+@target_options(required=False)
+@click.option("--methods", default=None, help="Methods the search may use (quality-affecting): full,lora,qlora [default: all].")
+@click.option("--optimizers", default=None, help="Optimizers it may use (quality-affecting) [default: adamw].")
+@click.option("--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision].")
+@click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
+@click.option("--backend", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto",
+              show_default=True, help="auto: measure on matching local GPUs, else the most faithful estimator.")
+@click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by backend].")
+@click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--name", default=None, help="Name of the study (default: generated).")
+@click.option("--resume", is_flag=True, help="Continue the interrupted study of this request (or --name).")
+@click.option("--fresh", is_flag=True, help="Search again even if an identical finished study is stored.")
+@click.option("--out", default="autofit-out", show_default=True, help="Directory for the winner's config files.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="A study file (YAML); options on the command line override it.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@db_option
+@json_option
+@click.pass_context
+@handle_errors
+def search(cctx: click.Context, **opts):
+    """Search for the fastest training plan that fits, store every trial, export the winner."""
+    from autofit.evaluators import resolve_backend
+    from autofit.request import build_context
+    from autofit.search import DEFAULT_TRIALS, SearchRequest, run_search
+    from autofit.space import Allowed
+    from autofit.store import Store
+
+    opts = _merge_study_file(cctx, opts)
+    if not opts.get("model") or not opts.get("gpus"):
+        raise SpecError("--model and --gpus are required (or a --config study file that sets them)")
+    ctx = build_context(opts["model"], opts["gpus"], nodes=opts["nodes"], host_mem=opts["host_mem"],
+                        seq_len=opts["seq_len"], global_batch=opts["global_batch"],
+                        lengths_path=opts["lengths_path"], headroom=opts["headroom"])
+    allowed = Allowed.parse(opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"])
+    backend = resolve_backend(opts["backend"], ctx)
+    request = SearchRequest(ctx=ctx, allowed=allowed, backend=backend,
+                            trials=opts["trials"] or DEFAULT_TRIALS[backend],
+                            timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"])
+    store = Store(opts["db"])
+    as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
+    console = Console(stderr=True, quiet=quiet)
+    progress = report.SearchProgress(console, request) if not quiet else None
+    outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"],
+                         progress=progress)
+    exported = []
+    if outcome.best is not None and opts["out"]:
+        from autofit.export import export_plan
+
+        exported = export_plan(outcome.best.plan, ctx, opts["out"])
+    if as_json:
+        click.echo(report.dumps(report.outcome_dict(outcome, exported)))
+    else:
+        report.print_outcome(Console(), outcome, request, exported, store.masked_url)
+    if outcome.interrupted:
+        sys.exit(130)
+    if outcome.best is None:
+        sys.exit(3)
+
+
+def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
+    """Study-file values, overridden by options the user typed (not by defaults)."""
+    path = opts.pop("config_path")
+    if not path:
+        return opts
+    from autofit.studies import load_study_file
+
+    data = load_study_file(path)
+    rename = {"lengths": "lengths_path"}
+    for key, value in data.items():
+        name = rename.get(key, key)
+        if name not in opts:
+            continue
+        if cctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        opts[name] = value
+    if data.get("lengths") and not os.path.isabs(data["lengths"]) and opts["lengths_path"] == data["lengths"]:
+        opts["lengths_path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data["lengths"])
+    return opts

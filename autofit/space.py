@@ -1,0 +1,266 @@
+"""The search space: ``SearchSpace.suggest(trial) -> Plan``, define-by-run.
+
+The user's training semantics are fixed: the global batch is theirs, so micro-batch and
+gradient accumulation are searched as factorizations of it; quality-affecting choices
+(method, LoRA rank, optimizer, precision) come only from what ``Allowed`` permits. The
+rest — checkpointing, attention kernel, sharding, offload, micro-batch, packing, fused
+loss — is always free.
+
+Knobs that exist only in some branches get branch-specific names (``offload_zero3``,
+``lora_rank``), so Optuna's samplers see one consistent distribution per name; the
+choices offered are already filtered by the GPU and the model family, so a suggested
+plan is valid by construction (``enumerate`` walks the same tree, for screening).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+from autofit.errors import SpecError
+from autofit.evaluators.base import EvalContext
+from autofit.plan import (
+    Attention,
+    Checkpointing,
+    LoraTargets,
+    Method,
+    Offload,
+    Optimizer,
+    Plan,
+    Precision,
+    Sharding,
+    plan_problems,
+)
+
+MAX_MICRO_BATCH = 64
+
+
+class TrialLike(Protocol):
+    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
+
+
+def _parse_list(text: str | None, enum, name: str) -> tuple | None:
+    if text is None:
+        return None
+    values = [v.strip() for v in str(text).split(",") if v.strip()]
+    bad = [v for v in values if v not in enum.values()]
+    if bad or not values:
+        raise SpecError(f"--{name} {text!r}: choose from {', '.join(enum.values())}")
+    return tuple(enum(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The quality-affecting choices the user allows the search to make."""
+
+    methods: tuple[Method, ...] = (Method.FULL, Method.LORA, Method.QLORA)
+    optimizers: tuple[Optimizer, ...] = (Optimizer.ADAMW,)
+    precisions: tuple[Precision, ...] = ()  # empty: the GPU's mixed precision
+    lora_ranks: tuple[int, ...] = (16,)
+    lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
+
+    @classmethod
+    def parse(cls, methods: str | None = None, optimizers: str | None = None, precisions: str | None = None,
+              lora_ranks: str | None = None) -> "Allowed":
+        kw: dict[str, Any] = {}
+        for key, text, enum in (("methods", methods, Method), ("optimizers", optimizers, Optimizer),
+                                ("precisions", precisions, Precision)):
+            parsed = _parse_list(text, enum, key)
+            if parsed is not None:
+                kw[key] = parsed
+        if lora_ranks is not None:
+            try:
+                ranks = tuple(int(r) for r in str(lora_ranks).split(",") if r.strip())
+            except ValueError:
+                ranks = ()
+            if not ranks or min(ranks) < 1:
+                raise SpecError(f"--lora-ranks {lora_ranks!r}: give positive integers, e.g. 8,16,64")
+            kw["lora_ranks"] = ranks
+        return cls(**kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "methods": [m.value for m in self.methods],
+            "optimizers": [o.value for o in self.optimizers],
+            "precisions": [p.value for p in self.precisions],
+            "lora_ranks": list(self.lora_ranks),
+            "lora_targets": self.lora_targets.value,
+        }
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    ctx: EvalContext
+    allowed: Allowed = field(default_factory=Allowed)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise SpecError("; ".join(problems))
+
+    # -- the choices, filtered by GPU and model -------------------------------------------
+    @property
+    def per_rank_batch(self) -> int:
+        return self.ctx.workload.global_batch // self.ctx.cluster.world_size
+
+    def micro_batches(self) -> list[int]:
+        b = self.per_rank_batch
+        return [m for m in range(1, min(b, MAX_MICRO_BATCH) + 1) if b % m == 0]
+
+    def precisions(self) -> list[Precision]:
+        gpu = self.ctx.cluster.gpu
+        chosen = self.allowed.precisions or (
+            (Precision.BF16_MIXED,) if gpu.supports_bf16 else (Precision.FP16_MIXED,)
+        )
+        ok = [p for p in chosen if gpu.supports_bf16 or p not in (Precision.BF16_MIXED, Precision.BF16_TRUE)]
+        return ok
+
+    def methods(self) -> list[Method]:
+        half = any(p is not Precision.FP32 for p in self.precisions())
+        return [m for m in self.allowed.methods if m is not Method.QLORA or half]
+
+    def attentions(self, precision: Precision) -> list[Attention]:
+        gpu, fam = self.ctx.cluster.gpu, self.ctx.model.family
+        out = []
+        for a in (Attention.SDPA, Attention.FLASH2, Attention.EAGER):
+            if a.value not in fam.attn_impls:
+                continue
+            if a is Attention.FLASH2 and (not gpu.supports_flash2 or precision is Precision.FP32
+                                          or self.ctx.model.head_dim > 256):
+                continue
+            out.append(a)
+        return out
+
+    def shardings(self) -> list[Sharding]:
+        if self.ctx.cluster.world_size > 1:
+            return list(Sharding)
+        return [Sharding.NONE, Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP]  # these only with offload
+
+    def offloads(self, sharding: Sharding, optimizer: Optimizer) -> list[Offload]:
+        single = self.ctx.cluster.world_size == 1
+        eight_bit = optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+        options = {
+            Sharding.NONE: [Offload.NONE],
+            Sharding.ZERO1: [Offload.NONE],
+            Sharding.ZERO2: [Offload.NONE, Offload.OPTIMIZER],
+            Sharding.ZERO3: [Offload.NONE, Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS],
+            Sharding.FSDP: [Offload.NONE, Offload.OPTIMIZER_PARAMS],
+        }[sharding]
+        if single:
+            options = [o for o in options if o is not Offload.NONE] or [Offload.NONE]
+        if eight_bit or (sharding is not Sharding.FSDP and optimizer is not Optimizer.ADAMW):
+            options = [o for o in options if o is Offload.NONE]
+        return options
+
+    def problems(self) -> list[str]:
+        p = []
+        world = self.ctx.cluster.world_size
+        if self.ctx.workload.global_batch % world:
+            p.append(
+                f"the global batch {self.ctx.workload.global_batch} must be a multiple of the {world} GPUs "
+                "(every GPU trains on whole sequences)"
+            )
+        if not self.precisions():
+            p.append(
+                f"none of the allowed precisions runs on {self.ctx.cluster.gpu.name} "
+                "(no bf16 before compute capability 8.0): allow fp16-mixed"
+            )
+        elif not self.methods():
+            p.append("qlora computes in 16-bit: allow a bf16/fp16 precision or another method")
+        return p
+
+    # -- define-by-run ------------------------------------------------------------------------
+    def suggest(self, trial: TrialLike) -> Plan:
+        a = self.allowed
+        method = Method(trial.suggest_categorical("method", [m.value for m in self.methods()]))
+        kw: dict[str, Any] = {"method": method}
+        if method is not Method.FULL:
+            kw["lora_rank"] = int(trial.suggest_categorical("lora_rank", list(a.lora_ranks)))
+            kw["lora_targets"] = a.lora_targets
+        precs = [p for p in self.precisions() if method is not Method.QLORA or p is not Precision.FP32]
+        precision = Precision(trial.suggest_categorical(
+            "precision" if method is not Method.QLORA else "precision_qlora", [p.value for p in precs]))
+        optimizer = Optimizer(trial.suggest_categorical("optimizer", [o.value for o in a.optimizers]))
+        shardings = [s for s in self.shardings()
+                     if self.offloads(s, optimizer) and not (
+                         optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+                         and s in (Sharding.ZERO3, Sharding.FSDP))]
+        sharding = Sharding(trial.suggest_categorical(f"sharding_{optimizer.value}" if len(a.optimizers) > 1
+                                                      else "sharding", [s.value for s in shardings]))
+        offloads = self.offloads(sharding, optimizer)
+        offload = Offload.NONE
+        if len(offloads) > 1:
+            offload = Offload(trial.suggest_categorical(f"offload_{sharding.value}", [o.value for o in offloads]))
+        elif offloads:
+            offload = offloads[0]
+        mb = int(trial.suggest_categorical("micro_batch", self.micro_batches()))
+        ckpt = Checkpointing(trial.suggest_categorical("checkpointing", [c.value for c in Checkpointing]))
+        attention = Attention(trial.suggest_categorical(
+            "attention" if precision is not Precision.FP32 else "attention_fp32",
+            [x.value for x in self.attentions(precision)]))
+        packing = False
+        if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
+            packing = bool(trial.suggest_categorical("packing", [False, True]))
+        fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
+        return Plan(
+            precision=precision, optimizer=optimizer, micro_batch=mb, grad_accum=self.per_rank_batch // mb,
+            checkpointing=ckpt, attention=attention, sharding=sharding, offload=offload, packing=packing,
+            fused_loss=fused, **kw,
+        )
+
+    def enumerate(self) -> Iterator[Plan]:
+        """Every plan ``suggest`` can return (for screening), walking the same tree."""
+        for _, plan in self.enumerate_params():
+            yield plan
+
+    def enumerate_params(self) -> Iterator[tuple[dict[str, Any], Plan]]:
+        """``(params, plan)`` pairs: params are what ``study.enqueue_trial`` needs to get the plan."""
+        for params in self._walk():
+            yield params, self.suggest(_Replay(params))
+
+    def _walk(self) -> Iterator[dict[str, Any]]:
+        # depth-first over the define-by-run tree: replay a prefix, branch on the first
+        # unanswered question
+        stack: list[dict[str, Any]] = [{}]
+        while stack:
+            params = stack.pop()
+            probe = _Replay(params)
+            try:
+                self.suggest(probe)
+            except _Unanswered as q:
+                for choice in reversed(q.choices):
+                    stack.append({**params, q.name: choice})
+                continue
+            yield params
+
+    def size(self) -> int:
+        return sum(1 for _ in self._walk())
+
+
+class _Unanswered(Exception):
+    def __init__(self, name: str, choices: list[Any]):
+        self.name, self.choices = name, choices
+
+
+class _Replay:
+    """A trial that answers from a dict and raises at the first question it cannot answer."""
+
+    def __init__(self, params: dict[str, Any]):
+        self.params = params
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        if name in self.params:
+            return self.params[name]
+        raise _Unanswered(name, list(choices))
+
+
+def check_space(space: SearchSpace, plans: Iterator[Plan] | None = None) -> list[tuple[Plan, list[str]]]:
+    """Plans of the space that validation would refuse (should be none); for tests."""
+    out = []
+    for plan in plans if plans is not None else space.enumerate():
+        problems = plan_problems(plan, space.ctx.model, space.ctx.cluster, space.ctx.workload)
+        if problems:
+            out.append((plan, problems))
+    return out
+
+

@@ -1,0 +1,80 @@
+import optuna
+import pytest
+
+from autofit.errors import SpecError
+from autofit.plan import Method, Offload, Optimizer, Precision, Sharding
+from autofit.request import build_context
+from autofit.space import Allowed, SearchSpace, check_space
+from autofit.specs import LengthDistribution, Workload
+
+
+def space(model="mistral-7b", gpus="2xA10", global_batch=16, allowed=None, **kw):
+    return SearchSpace(build_context(model, gpus, global_batch=global_batch, **kw), allowed or Allowed())
+
+
+def test_fixed_trial_gives_the_plan():
+    s = space()
+    plan = s.suggest(optuna.trial.FixedTrial({
+        "method": "qlora", "lora_rank": 16, "precision_qlora": "bf16-mixed", "optimizer": "adamw",
+        "sharding": "zero2", "offload_zero2": "none", "micro_batch": 4, "checkpointing": "full",
+        "attention": "flash2", "fused_loss": True,
+    }))
+    assert plan.method is Method.QLORA and plan.micro_batch == 4 and plan.grad_accum == 2
+    assert plan.sharding is Sharding.ZERO2 and plan.fused_loss
+
+
+@pytest.mark.parametrize("model,gpus", [("mistral-7b", "2xA10"), ("llama-3-70b", "8xH100"), ("gpt2-xl", "1xT4"),
+                                        ("gemma-2-9b", "1xA100-80GB"), ("bert-large-uncased", "4xV100-32GB")])
+def test_every_plan_of_the_space_is_valid_and_keeps_the_global_batch(model, gpus):
+    s = space(model, gpus)
+    plans = list(s.enumerate())
+    assert len(plans) > 100
+    assert check_space(s, iter(plans)) == []
+    world = s.ctx.cluster.world_size
+    assert all(p.micro_batch * p.grad_accum * world == 16 for p in plans)
+    assert len({p.plan_id for p in plans}) == len(plans)
+
+
+def test_quality_choices_come_only_from_what_is_allowed():
+    plans = list(space(allowed=Allowed.parse(methods="lora")).enumerate())
+    assert {p.method for p in plans} == {Method.LORA}
+    assert {p.optimizer for p in plans} == {Optimizer.ADAMW}
+    assert {p.precision for p in plans} == {Precision.BF16_MIXED}
+    assert {p.lora_rank for p in plans} == {16}
+    t4 = list(space("gpt2", "1xT4").enumerate())
+    assert {p.precision for p in t4} == {Precision.FP16_MIXED}
+
+
+def test_conditional_knobs():
+    plans = list(space().enumerate())
+    assert all((p.lora_rank is None) == (p.method is Method.FULL) for p in plans)
+    assert all(p.offload is Offload.NONE or p.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP) for p in plans)
+    assert not any(p.packing for p in plans)  # no length distribution: packing gains nothing
+    single = list(space("gpt2", "1xA10").enumerate())
+    assert all(p.sharding is Sharding.NONE or p.offload is not Offload.NONE for p in single)
+
+
+def test_packing_is_searched_with_lengths_and_flash2(tmp_path):
+    import json
+
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps({"300": 5, "1500": 1}))
+    plans = list(space(lengths_path=str(f)).enumerate())
+    packed = [p for p in plans if p.packing]
+    assert packed and all(p.attention.value == "flash2" for p in packed)
+
+
+def test_bad_allowed_lists():
+    with pytest.raises(SpecError, match="--methods"):
+        Allowed.parse(methods="full,lorra")
+    with pytest.raises(SpecError, match="--lora-ranks"):
+        Allowed.parse(lora_ranks="8,x")
+
+
+def test_contradictory_choices_are_refused():
+    with pytest.raises(SpecError, match="qlora computes in 16-bit"):
+        space(allowed=Allowed.parse(methods="qlora", precisions="32-true"))
+    with pytest.raises(SpecError, match="allow fp16-mixed"):
+        space("gpt2", "1xT4", allowed=Allowed.parse(precisions="bf16-mixed"))
+    with pytest.raises(SpecError, match="multiple of the 2 GPUs"):
+        space(global_batch=15)
