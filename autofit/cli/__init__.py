@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from autofit.cli.catalog import gpus, models
+from autofit.cli.db import db
 from autofit.cli.estimate import estimate
 
 
@@ -17,6 +18,7 @@ def cli() -> None:
 cli.add_command(estimate)
 cli.add_command(gpus)
 cli.add_command(models)
+cli.add_command(db)
 
 
 def main() -> None:

@@ -115,3 +115,15 @@ def plan_options(fn: Callable) -> Callable:
 
 def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)
+
+
+def db_option(fn: Callable) -> Callable:
+    """--db URL; without it the Store reads $AUTOFIT_DB, else the default SQLite file."""
+    return click.option(
+        "--db",
+        "db_url",
+        default=None,
+        metavar="URL",
+        help="Database: a SQLite file path, sqlite:///PATH or postgresql+psycopg://USER@HOST/DB "
+        "(default: $AUTOFIT_DB, else autofit.db in your data directory).",
+    )(fn)

@@ -1,0 +1,227 @@
+"""What the store hands out: frozen dataclasses, never ORM rows.
+
+They mirror the tables but carry library objects where one exists (``Plan``,
+``MemoryAnatomy``, ``Throughput``, ``Status``), so callers never parse stored JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.plan import Plan
+
+
+class StudyStatus(str, Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"  # stopped by Ctrl-C or a budget; can be resumed
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _iso(t: datetime.datetime | None) -> str | None:
+    return t.isoformat() if t else None
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    id: int
+    name: str
+    model_name: str
+    model_fingerprint: str
+    model_spec: dict[str, Any]
+    cluster: dict[str, Any]
+    cluster_label: str
+    gpu_name: str
+    workload: dict[str, Any]
+    allowed: dict[str, list[str]]
+    backend: str
+    budget: dict[str, Any]
+    headroom: float
+    versions: dict[str, str]
+    status: StudyStatus
+    request_key: str
+    optuna_study_name: str | None
+    created_at: datetime.datetime
+    updated_at: datetime.datetime
+    finished_at: datetime.datetime | None
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.workload["seq_len"])
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.workload["global_batch"])
+
+    def context(self) -> EvalContext:
+        """The request's target rebuilt from what was stored (for resume and export)."""
+        from autofit.specs import ClusterSpec, LengthDistribution, ModelSpec, Workload, resolve_gpu
+
+        spec = dict(self.model_spec)
+        spec["hf_extra"] = tuple((k, _tuples(v)) for k, v in (spec.get("hf_extra") or {}).items())
+        c = self.cluster
+        cluster = ClusterSpec(
+            gpu=resolve_gpu(c["gpu"]),
+            gpus_per_node=int(c["gpus_per_node"]),
+            nodes=int(c["nodes"]),
+            host_memory_bytes=int(c["host_memory_bytes"]),
+            inter_node_gbps=float(c["inter_node_gbps"]),
+        )
+        w = self.workload
+        lengths = None
+        if w.get("lengths"):
+            hist = tuple((int(n), int(k)) for n, k in w["lengths"]["histogram"])
+            lengths = LengthDistribution(hist, w["lengths"].get("source", ""))
+        workload = Workload(seq_len=int(w["seq_len"]), global_batch=int(w["global_batch"]), lengths=lengths)
+        return EvalContext(ModelSpec(**spec), cluster, workload, self.headroom)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "model_name": self.model_name,
+            "model_fingerprint": self.model_fingerprint,
+            "model_spec": self.model_spec,
+            "cluster": self.cluster,
+            "cluster_label": self.cluster_label,
+            "gpu_name": self.gpu_name,
+            "workload": self.workload,
+            "allowed": self.allowed,
+            "backend": self.backend,
+            "budget": self.budget,
+            "headroom": self.headroom,
+            "versions": self.versions,
+            "status": self.status.value,
+            "request_key": self.request_key,
+            "optuna_study_name": self.optuna_study_name,
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
+            "finished_at": _iso(self.finished_at),
+        }
+
+
+def _tuples(value: Any) -> Any:
+    """JSON turns the tuples of ``ModelSpec.hf_extra`` into lists; turn them back."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    id: int
+    study_id: int
+    number: int
+    optuna_trial_id: int | None
+    plan: Plan
+    plan_id: str
+    status: Status
+    evaluator: str
+    memory: MemoryAnatomy | None
+    throughput: Throughput | None
+    capacity_bytes: int
+    reason: str
+    extra: dict[str, Any]
+    duration_s: float
+    created_at: datetime.datetime
+
+    @property
+    def fits(self) -> bool:
+        return self.status is Status.FITS
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        return self.throughput.tokens_per_sec if self.throughput else None
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.throughput.step_time_s if self.throughput else None
+
+    def result(self) -> TrialResult:
+        """The library object this row was recorded from."""
+        return TrialResult(
+            plan=self.plan,
+            status=self.status,
+            evaluator=self.evaluator,
+            memory=self.memory,
+            throughput=self.throughput,
+            capacity_bytes=self.capacity_bytes,
+            reason=self.reason,
+            duration_s=self.duration_s,
+            extra=dict(self.extra),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """``TrialResult.as_dict()`` plus where the row lives."""
+        return {
+            "id": self.id,
+            "study_id": self.study_id,
+            "number": self.number,
+            "optuna_trial_id": self.optuna_trial_id,
+            **self.result().as_dict(),
+            "created_at": _iso(self.created_at),
+        }
+
+
+@dataclass(frozen=True)
+class StudySummary:
+    """A study with its best fitting plan and how many evaluations ended in each status."""
+
+    study: StudyRecord
+    best: TrialRecord | None
+    counts: dict[str, int] = field(default_factory=dict)  # status value -> rows
+
+    @property
+    def n_trials(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def best_plan(self) -> Plan | None:
+        return self.best.plan if self.best else None
+
+    @property
+    def best_tokens_per_sec(self) -> float | None:
+        return self.best.tokens_per_sec if self.best else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.study.as_dict(),
+            "n_trials": self.n_trials,
+            "counts": dict(self.counts),
+            "best": self.best.as_dict() if self.best else None,
+        }
+
+
+@dataclass(frozen=True)
+class SchemaInfo:
+    """Where a database stands against this autofit's migrations (``autofit db current``)."""
+
+    url: str  # masked
+    current: str | None  # None: no autofit schema yet
+    head: str
+    known: bool  # False: written by a newer autofit
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.current == self.head
+
+    @property
+    def needs_upgrade(self) -> bool:
+        return self.known and not self.up_to_date
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "current": self.current,
+            "head": self.head,
+            "up_to_date": self.up_to_date,
+            "needs_upgrade": self.needs_upgrade,
+            "known": self.known,
+        }

@@ -1,0 +1,680 @@
+"""The Store: every study and trial autofit evaluates, in one SQL database.
+
+SQLite by default (a file in the user's data directory), PostgreSQL for teams and
+distributed search; Optuna keeps its own tables in the same database. Every operation
+goes through :meth:`Store.session_scope`, which commits, rolls back and turns driver
+errors into one :class:`~autofit.errors.StoreError` line that names the (masked) URL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import secrets
+import shlex
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+from sqlalchemy import case, create_engine, event, exists, func, or_, select
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session, aliased, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from autofit.errors import PlanError, StoreError
+from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.plan import Plan
+from autofit.store import schema
+from autofit.store.models import ANATOMY_COLUMNS, VERSION_TABLE, StudyModel, TrialModel, utcnow
+from autofit.store.records import SchemaInfo, StudyRecord, StudyStatus, StudySummary, TrialRecord
+
+if TYPE_CHECKING:
+    import optuna
+
+ENV_VAR = "AUTOFIT_DB"
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+# How faithful each evaluator is: a measurement of a plan overrides its predictions.
+FIDELITY = {"analytic": 0, "simulated": 1, "measured": 2}
+
+# Packages whose versions decide what a study found (read from metadata, never imported).
+_VERSIONED = ("autofit", "torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes",
+              "flash-attn", "optuna", "sqlalchemy", "alembic")
+
+_URL_HELP = "use a file path, sqlite:///PATH or postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DB"
+
+
+# -- URLs ---------------------------------------------------------------------------------
+def default_path() -> str:
+    """``$XDG_DATA_HOME/autofit/autofit.db``, else ``~/.local/share/autofit/autofit.db``."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "autofit", "autofit.db")
+
+
+def _mask_raw(text: str) -> str:
+    """Hide the password of a URL SQLAlchemy could not parse."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", text)
+
+
+def _is_memory(url: URL) -> bool:
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
+def resolve_url(url: str | None = None) -> URL:
+    """Explicit ``url`` > ``$AUTOFIT_DB`` > the default SQLite file; a bare path is a SQLite file.
+
+    The directory of a SQLite file is created; a PostgreSQL URL without a driver gets psycopg 3.
+    """
+    raw = url or os.environ.get(ENV_VAR) or default_path()
+    if "://" not in raw:
+        raw = "sqlite:///" + os.path.abspath(os.path.expanduser(raw))
+    try:
+        parsed = make_url(raw)
+    except ArgumentError:
+        raise StoreError(f"cannot read database URL {_mask_raw(raw)!r}; {_URL_HELP}") from None
+    if parsed.drivername in ("postgres", "postgresql"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    try:
+        parsed.get_dialect()
+    except NoSuchModuleError:
+        raise StoreError(
+            f"unknown database URL scheme {parsed.drivername!r} in {_masked(parsed)}; {_URL_HELP}"
+        ) from None
+    if parsed.get_backend_name() == "sqlite" and not _is_memory(parsed) and not parsed.query.get("uri"):
+        path = os.path.abspath(os.path.expanduser(parsed.database))
+        parsed = parsed.set(database=path)
+        if os.path.isdir(path):
+            raise StoreError(f"database path {path} is a directory; give a file path such as {path}/autofit.db")
+        parent = os.path.dirname(path)
+        blocker = next((p for p in _ancestors(parent) if os.path.exists(p) and not os.path.isdir(p)), None)
+        if blocker:
+            raise StoreError(f"cannot create the database directory {parent}: {blocker} is a file")
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the database directory {parent}: {exc.strerror or exc}"
+            ) from None
+    return parsed
+
+
+def _ancestors(path: str) -> list[str]:
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
+def _masked(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    """WAL lets readers run beside one writer; the busy timeout makes writers wait, not fail."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+# -- request identity ---------------------------------------------------------------------
+def _canonical_allowed(allowed: Mapping[str, Iterable[Any]] | None) -> dict[str, list[str]]:
+    return {k: sorted({str(getattr(v, "value", v)) for v in values}) for k, values in sorted((allowed or {}).items())}
+
+
+def request_key(ctx: EvalContext, *, backend: str, allowed: Mapping[str, Iterable[Any]] | None = None) -> str:
+    """The identity of a search request: equal keys would find the same answer.
+
+    Model fingerprint (not its name), cluster, workload (the length histogram, not the
+    file it came from), allowed choices (as sets), backend and headroom.
+    """
+    workload = ctx.workload.as_dict()
+    if workload.get("lengths"):
+        workload["lengths"] = {"histogram": workload["lengths"]["histogram"]}
+    blob = {
+        "model": ctx.model.fingerprint,
+        "cluster": ctx.cluster.as_dict(),
+        "workload": workload,
+        "allowed": _canonical_allowed(allowed),
+        "backend": backend,
+        "headroom": round(float(ctx.headroom), 9),
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def software_versions() -> dict[str, str]:
+    """Versions of what shaped a result, from package metadata (nothing is imported)."""
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON that every backend accepts: no NaN/inf (PostgreSQL's json rejects them), no objects."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return str(getattr(value, "value", value))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "study"
+
+
+def _utc(t: datetime.datetime | None) -> datetime.datetime | None:
+    """SQLite hands back naive datetimes; everything is stored in UTC."""
+    if t is None:
+        return None
+    return t.replace(tzinfo=datetime.timezone.utc) if t.tzinfo is None else t.astimezone(datetime.timezone.utc)
+
+
+# -- rows -> records ----------------------------------------------------------------------
+def _study_record(row: StudyModel) -> StudyRecord:
+    try:
+        status = StudyStatus(row.status)
+    except ValueError:
+        raise StoreError(f"study {row.name!r} has status {row.status!r}, unknown to this autofit; upgrade autofit") from None
+    return StudyRecord(
+        id=row.id,
+        name=row.name,
+        model_name=row.model_name,
+        model_fingerprint=row.model_fingerprint,
+        model_spec=dict(row.model_spec),
+        cluster=dict(row.cluster),
+        cluster_label=row.cluster_label,
+        gpu_name=row.gpu_name,
+        workload=dict(row.workload),
+        allowed={k: list(v) for k, v in (row.allowed or {}).items()},
+        backend=row.backend,
+        budget=dict(row.budget or {}),
+        headroom=float(row.headroom),
+        versions=dict(row.versions or {}),
+        status=status,
+        request_key=row.request_key,
+        optuna_study_name=row.optuna_study_name,
+        created_at=_utc(row.created_at),
+        updated_at=_utc(row.updated_at),
+        finished_at=_utc(row.finished_at),
+    )
+
+
+def _trial_record(row: TrialModel) -> TrialRecord:
+    where = f"trial {row.number} of study {row.study_id}"
+    try:
+        plan = Plan.from_dict(row.plan)
+        status = Status(row.status)
+    except (PlanError, ValueError) as exc:
+        raise StoreError(f"{where} holds a result this autofit cannot read ({exc}); upgrade autofit") from None
+    values = {c: getattr(row, c) for c in ANATOMY_COLUMNS}
+    memory = None if all(v is None for v in values.values()) else MemoryAnatomy.from_dict(values)
+    return TrialRecord(
+        id=row.id,
+        study_id=row.study_id,
+        number=row.number,
+        optuna_trial_id=row.optuna_trial_id,
+        plan=plan,
+        plan_id=row.plan_id,
+        status=status,
+        evaluator=row.evaluator,
+        memory=memory,
+        throughput=Throughput.from_dict(row.throughput) if row.throughput is not None else None,
+        capacity_bytes=int(row.capacity_bytes or 0),
+        reason=row.reason or "",
+        extra=dict(row.extra or {}),
+        duration_s=float(row.duration_s or 0.0),
+        created_at=_utc(row.created_at),
+    )
+
+
+def _fidelity(column: Any) -> Any:
+    return case(FIDELITY, value=column, else_=0)
+
+
+def _authoritative_fits() -> list[Any]:
+    """Conditions on TrialModel: fits, has a speed, and no more faithful evaluation of the
+    same plan in the same study exists (a measured OOM overrides a predicted fit)."""
+    other = aliased(TrialModel)
+    superseded = exists().where(
+        other.study_id == TrialModel.study_id,
+        other.plan_id == TrialModel.plan_id,
+        _fidelity(other.evaluator) > _fidelity(TrialModel.evaluator),
+    )
+    return [TrialModel.status == Status.FITS.value, TrialModel.tokens_per_sec.is_not(None), ~superseded]
+
+
+class Store:
+    """autofit's database. Opening it migrates a new database and refuses an outdated one.
+
+    ``check_schema=False`` opens without either, for ``autofit db upgrade`` / ``current``.
+    """
+
+    script_location: str = schema.SCRIPT_LOCATION  # where the Alembic revisions live
+
+    def __init__(self, url: str | None = None, *, check_schema: bool = True):
+        self._url = resolve_url(url)
+        self.url = self._url.render_as_string(hide_password=False)
+        self.masked_url = _masked(self._url)
+        self._engine = self._create_engine()
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._optuna: Any = None
+        if check_schema:
+            try:
+                self._check_schema()
+            except BaseException:
+                self.close()
+                raise
+
+    def _create_engine(self) -> Engine:
+        kwargs: dict[str, Any] = {}
+        sqlite = self.dialect == "sqlite"
+        if _is_memory(self._url):  # one connection, or every connection is a new empty database
+            kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
+        elif not sqlite:
+            kwargs["pool_pre_ping"] = True
+        try:
+            engine = create_engine(self._url, **kwargs)
+        except ImportError as exc:
+            raise StoreError(f"the driver for {self._url.drivername} is not installed ({exc}); "
+                             "pip install 'autofit[postgres]' for PostgreSQL") from None
+        if sqlite:
+            event.listen(engine, "connect", _sqlite_on_connect)
+        return engine
+
+    @property
+    def dialect(self) -> str:
+        return self._url.get_backend_name()
+
+    @property
+    def engine(self) -> Engine:
+        """For migration tooling and tests; library code goes through session_scope()."""
+        return self._engine
+
+    def close(self) -> None:
+        if self._optuna is not None:
+            self._optuna.remove_session()
+            self._optuna.engine.dispose()
+            self._optuna = None
+        self._engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.masked_url!r})"
+
+    # -- errors and sessions --------------------------------------------------------------
+    def _error(self, exc: BaseException) -> StoreError:
+        orig = getattr(exc, "orig", None) or exc
+        lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip() and not ln.startswith("(Background")]
+        detail = "; ".join(lines) or type(orig).__name__
+        password = str(self._url.password or "")
+        if len(password) >= 4:  # drivers should not echo it; make sure (shorter would garble the text)
+            detail = detail.replace(password, "***")
+        return StoreError(f"database error ({self.masked_url}): {detail}")
+
+    @contextmanager
+    def session_scope(self) -> Iterator[Session]:
+        """One unit of work: commit on success, roll back on error, StoreError for the database's."""
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except SQLAlchemyError as exc:
+            _rollback(session)
+            raise self._error(exc) from exc
+        except BaseException:
+            _rollback(session)
+            raise
+        finally:
+            session.close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as conn:
+                yield conn
+        except SQLAlchemyError as exc:
+            raise self._error(exc) from exc
+
+    # -- schema ---------------------------------------------------------------------------
+    @classmethod
+    def head_revision(cls) -> str:
+        return schema.head(cls.script_location)
+
+    @classmethod
+    def revisions(cls) -> list[str]:
+        """Every schema revision this autofit knows, oldest first."""
+        return schema.revisions(cls.script_location)
+
+    def current_revision(self) -> str | None:
+        """The database's schema revision; None where autofit has not created its tables yet."""
+        with self._connection() as conn:
+            return schema.current(conn)
+
+    def schema_info(self) -> SchemaInfo:
+        current = self.current_revision()
+        return SchemaInfo(self.masked_url, current, self.head_revision(),
+                          current is None or current in self.revisions())
+
+    def _newer_error(self, current: str) -> StoreError:
+        version = software_versions().get("autofit", "?")
+        return StoreError(
+            f"database {self.masked_url} has schema revision {current}, unknown to this autofit ({version}): "
+            "a newer autofit wrote it; upgrade autofit (pip install -U autofit) or use another --db"
+        )
+
+    def _check_schema(self) -> None:
+        info = self.schema_info()
+        if info.up_to_date:
+            return
+        if info.current is None:
+            with self._connection() as conn:
+                tables = schema.autofit_tables(conn)
+            if tables:
+                raise StoreError(
+                    f"database {self.masked_url} has autofit tables ({', '.join(tables)}) but no revision in "
+                    f"{VERSION_TABLE}; it was not created by autofit's migrations"
+                )
+            self.upgrade()
+            return
+        if not info.known:
+            raise self._newer_error(info.current)
+        raise StoreError(
+            f"database {self.masked_url} has schema revision {info.current}, older than this autofit's "
+            f"{info.head}; run `autofit db upgrade --db {shlex.quote(self.masked_url)}`"
+        )
+
+    def upgrade(self, target: str = "head") -> tuple[str | None, str | None]:
+        """Migrate to ``target`` (a new database is created); returns (before, after) revisions."""
+        from alembic.util import CommandError
+
+        before = self.current_revision()
+        if before is not None and before not in self.revisions():
+            raise self._newer_error(before)
+        try:
+            with self._connection() as conn:
+                try:
+                    schema.upgrade(conn, target, self.script_location)
+                    conn.commit()
+                except BaseException:
+                    conn.rollback()
+                    raise
+                finally:
+                    if self.dialect == "sqlite":
+                        conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                        conn.commit()
+        except CommandError as exc:
+            raise StoreError(f"cannot migrate {self.masked_url} to {target}: {exc}") from None
+        return before, self.current_revision()
+
+    def schema_diff(self) -> list[Any]:
+        """Differences between the ORM classes and this database's autofit tables."""
+        with self._connection() as conn:
+            return schema.diff(conn)
+
+    # -- Optuna ---------------------------------------------------------------------------
+    def optuna_storage(self) -> "optuna.storages.RDBStorage":
+        """Optuna's RDB storage on this database; its tables sit beside autofit's."""
+        if self._optuna is None:
+            if _is_memory(self._url):
+                raise StoreError("an in-memory SQLite database cannot be shared with Optuna; use a file (--db PATH)")
+            import optuna
+
+            kwargs: dict[str, Any] = (
+                {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
+            )
+            try:
+                self._optuna = optuna.storages.RDBStorage(self.url, engine_kwargs=kwargs)
+            except SQLAlchemyError as exc:
+                raise self._error(exc) from exc
+        return self._optuna
+
+    # -- studies --------------------------------------------------------------------------
+    def create_study(
+        self,
+        ctx: EvalContext,
+        *,
+        backend: str,
+        allowed: Mapping[str, Iterable[Any]] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        optuna_study_name: str | None = None,
+    ) -> StudyRecord:
+        """Record a new running study for the request ``ctx`` (+ backend and allowed choices).
+
+        ``backend`` should be the resolved one (``analytic``, not ``auto``), so that
+        ``request_key`` matches what was really run.
+        """
+        if name is not None:
+            name = name.strip()
+            if not name or len(name) > 255 or name.isdigit():
+                raise StoreError(f"study name {name!r} must be 1-255 characters and not only digits")
+        key = request_key(ctx, backend=backend, allowed=allowed)
+        with self.session_scope() as s:
+            if name is None:
+                stem = f"{_slug(ctx.model.name)}-{_slug(ctx.cluster.label)}"
+                name = f"{stem}-{secrets.token_hex(3)}"
+                while StudyModel.find_by_name(s, name) is not None:
+                    name = f"{stem}-{secrets.token_hex(3)}"
+            elif StudyModel.find_by_name(s, name) is not None:
+                raise StoreError(f"a study named {name!r} already exists; choose another name")
+            now = utcnow()
+            row = StudyModel(
+                name=name,
+                model_name=ctx.model.name,
+                model_fingerprint=ctx.model.fingerprint,
+                model_spec=_json_safe(ctx.model.as_dict()),
+                cluster=_json_safe(ctx.cluster.as_dict()),
+                cluster_label=ctx.cluster.label,
+                gpu_name=ctx.cluster.gpu.name,
+                workload=_json_safe(ctx.workload.as_dict()),
+                seq_len=ctx.workload.seq_len,
+                global_batch=ctx.workload.global_batch,
+                allowed=_canonical_allowed(allowed),
+                backend=backend,
+                budget=_json_safe(dict(budget or {})),
+                headroom=float(ctx.headroom),
+                versions=software_versions(),
+                status=StudyStatus.RUNNING.value,
+                request_key=key,
+                optuna_study_name=optuna_study_name,
+                created_at=now,
+                updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            return _study_record(row)
+
+    def _study_row(self, s: Session, study_id: int) -> StudyModel:
+        row = StudyModel.find(s, study_id)
+        if row is None:
+            raise StoreError(f"no study with id {study_id}; see `autofit history`")
+        return row
+
+    def _set_status(self, study_id: int, status: StudyStatus) -> StudyRecord:
+        with self.session_scope() as s:
+            row = self._study_row(s, study_id)
+            now = utcnow()
+            row.status = status.value
+            row.updated_at = now
+            row.finished_at = None if status is StudyStatus.RUNNING else now
+            s.flush()
+            return _study_record(row)
+
+    def finish_study(self, study_id: int, status: StudyStatus | str = StudyStatus.FINISHED) -> StudyRecord:
+        """Close a study as finished, interrupted or failed."""
+        status = StudyStatus(status)
+        if status is StudyStatus.RUNNING:
+            raise ValueError("finish_study takes finished, interrupted or failed; use resume_study to reopen")
+        return self._set_status(study_id, status)
+
+    def resume_study(self, study_id: int) -> StudyRecord:
+        """Mark a study running again (``autofit search --resume``)."""
+        return self._set_status(study_id, StudyStatus.RUNNING)
+
+    def get_study(self, name_or_id: str | int) -> StudyRecord:
+        with self.session_scope() as s:
+            if isinstance(name_or_id, int):
+                row = StudyModel.find(s, name_or_id)
+            else:
+                row = StudyModel.find_by_name(s, name_or_id)
+                if row is None and name_or_id.strip().isdigit():
+                    row = StudyModel.find(s, int(name_or_id))
+            if row is None:
+                what = f"with id {name_or_id}" if isinstance(name_or_id, int) else f"named {name_or_id!r}"
+                raise StoreError(f"no study {what}; see `autofit history`")
+            return _study_record(row)
+
+    def find_finished_study(self, request_key: str) -> StudyRecord | None:
+        """The latest finished study of an identical request, to answer from the store."""
+        with self.session_scope() as s:
+            row = s.scalars(
+                select(StudyModel)
+                .where(StudyModel.request_key == request_key, StudyModel.status == StudyStatus.FINISHED.value)
+                .order_by(StudyModel.finished_at.desc(), StudyModel.id.desc())
+                .limit(1)
+            ).one_or_none()
+            return _study_record(row) if row is not None else None
+
+    def list_studies(self, model: str | None = None, gpu: str | None = None) -> list[StudySummary]:
+        """Studies, newest first, each with its best fitting trial and per-status counts.
+
+        ``model`` matches the model name (any case) or fingerprint; ``gpu`` the GPU name or
+        the cluster label (``A10`` or ``2xA10``).
+        """
+        query = select(StudyModel)
+        if model:
+            query = query.where(or_(func.lower(StudyModel.model_name) == model.lower(),
+                                    StudyModel.model_fingerprint == model))
+        if gpu:
+            query = query.where(or_(func.lower(StudyModel.gpu_name) == gpu.lower(),
+                                    func.lower(StudyModel.cluster_label) == gpu.lower()))
+        with self.session_scope() as s:
+            studies = s.scalars(query.order_by(StudyModel.created_at.desc(), StudyModel.id.desc())).all()
+            ids = query.with_only_columns(StudyModel.id).scalar_subquery()
+            counts: dict[int, dict[str, int]] = {}
+            for study_id, status, n in s.execute(
+                select(TrialModel.study_id, TrialModel.status, func.count())
+                .where(TrialModel.study_id.in_(ids))
+                .group_by(TrialModel.study_id, TrialModel.status)
+            ):
+                counts.setdefault(study_id, {})[status] = n
+            rank = func.row_number().over(
+                partition_by=TrialModel.study_id, order_by=(TrialModel.tokens_per_sec.desc(), TrialModel.id)
+            ).label("rank")
+            ranked = select(TrialModel.id, rank).where(TrialModel.study_id.in_(ids), *_authoritative_fits()).subquery()
+            best = {
+                row.study_id: _trial_record(row)
+                for row in s.scalars(select(TrialModel).join(ranked, TrialModel.id == ranked.c.id).where(ranked.c.rank == 1))
+            }
+            return [StudySummary(_study_record(r), best.get(r.id), counts.get(r.id, {})) for r in studies]
+
+    # -- trials ---------------------------------------------------------------------------
+    def record_trial(
+        self,
+        study_id: int,
+        result: TrialResult,
+        number: int | None = None,
+        optuna_trial_id: int | None = None,
+    ) -> TrialRecord:
+        """Store one evaluation. ``number`` defaults to the study's next trial number."""
+        memory = result.memory.as_dict() if result.memory else {}
+        tp = result.throughput
+        with self.session_scope() as s:
+            study = self._study_row(s, study_id)
+            if number is None:
+                last = s.scalar(select(func.max(TrialModel.number)).where(TrialModel.study_id == study_id))
+                number = 0 if last is None else last + 1
+            row = TrialModel(
+                study_id=study_id,
+                number=number,
+                optuna_trial_id=optuna_trial_id,
+                plan=result.plan.as_dict(),
+                plan_id=result.plan.plan_id,
+                status=Status(result.status).value,
+                evaluator=result.evaluator,
+                **{c: memory.get(c) for c in ANATOMY_COLUMNS},
+                tokens_per_sec=tp.tokens_per_sec if tp else None,
+                step_time_s=tp.step_time_s if tp else None,
+                throughput=_json_safe(tp.as_dict()) if tp else None,
+                capacity_bytes=int(result.capacity_bytes or 0),
+                reason=result.reason or "",
+                extra=_json_safe(dict(result.extra or {})),
+                duration_s=float(result.duration_s or 0.0),
+                created_at=utcnow(),
+            )
+            s.add(row)
+            study.updated_at = row.created_at
+            s.flush()
+            return _trial_record(row)
+
+    def trials(self, study_id: int) -> list[TrialRecord]:
+        """Every evaluation of a study, in trial-number order."""
+        with self.session_scope() as s:
+            self._study_row(s, study_id)
+            rows = s.scalars(
+                select(TrialModel).where(TrialModel.study_id == study_id).order_by(TrialModel.number, TrialModel.id)
+            ).all()
+            return [_trial_record(r) for r in rows]
+
+    def best_trial(
+        self,
+        model_fingerprint: str,
+        cluster_label: str,
+        seq_len: int | None = None,
+        global_batch: int | None = None,
+        headroom: float | None = None,
+    ) -> TrialRecord | None:
+        """The fastest stored plan that fits, across studies of this model on this cluster.
+
+        With ``headroom``, only plans whose ``device_total`` leaves that much of the GPU free.
+        """
+        query = (
+            select(TrialModel)
+            .join(StudyModel, StudyModel.id == TrialModel.study_id)
+            .where(StudyModel.model_fingerprint == model_fingerprint, StudyModel.cluster_label == cluster_label,
+                   *_authoritative_fits())
+        )
+        if seq_len is not None:
+            query = query.where(StudyModel.seq_len == seq_len)
+        if global_batch is not None:
+            query = query.where(StudyModel.global_batch == global_batch)
+        if headroom is not None:
+            query = query.where(TrialModel.device_total <= TrialModel.capacity_bytes * (1.0 - headroom))
+        with self.session_scope() as s:
+            row = s.scalars(query.order_by(TrialModel.tokens_per_sec.desc(), TrialModel.id).limit(1)).one_or_none()
+            return _trial_record(row) if row is not None else None
+
+    @staticmethod
+    def trial_result(record: TrialRecord) -> TrialResult:
+        return record.result()
+
+
+def _rollback(session: Session) -> None:
+    try:
+        session.rollback()
+    except SQLAlchemyError:
+        pass  # the connection is gone; the original error is the one to report
