@@ -188,3 +188,40 @@ def print_outcome(console: Console, outcome, request, exported: list, db_url: st
     console.print(table)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")
+
+
+# -- history -------------------------------------------------------------------------------
+def history_table(summaries) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    for col in ("id", "study", "model", "gpus", "seq", "batch", "backend", "status", "trials", "best plan", "tokens/s"):
+        table.add_column(col, justify="right" if col in ("id", "seq", "batch", "trials", "tokens/s") else "left")
+    for s in summaries:
+        st = s.study
+        table.add_row(
+            str(st.id), st.name, st.model_name, st.cluster_label, str(st.seq_len), str(st.global_batch), st.backend,
+            str(st.status), str(s.n_trials), s.best_plan.summary() if s.best_plan else "[dim]none fits[/dim]",
+            f"{s.best_tokens_per_sec:,.0f}" if s.best_tokens_per_sec else "",
+        )
+    return table
+
+
+def study_header(st) -> str:
+    return (f"study [bold]{st.name}[/bold] (id {st.id}) · {st.model_name} on {st.cluster_label} · "
+            f"seq {st.seq_len} · global batch {st.global_batch} · {st.backend} · {st.status} · "
+            f"created {st.created_at:%Y-%m-%d %H:%M}")
+
+
+def trials_table(trials) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    for col in ("#", "status", "evaluator", "plan", "peak_alloc GiB", "device GiB", "tokens/s", "bottleneck", "reason"):
+        table.add_column(col, justify="right" if "GiB" in col or col in ("#", "tokens/s") else "left")
+    for t in trials:
+        r = t.result()
+        m = r.memory
+        table.add_row(
+            str(t.number), r.status.value, r.evaluator, r.plan.summary(),
+            gib(m.peak_allocated) if m else "", gib(m.device_total) if m else "",
+            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "", m.bottleneck if m else "",
+            (r.reason[:60] + "…") if len(r.reason) > 60 else r.reason,
+        )
+    return table

@@ -6,7 +6,7 @@ How a study runs (``run_search``):
    plan). The predicted-fastest fitting plans — the best of each method first — are
    ``enqueue_trial``-ed so the expensive evaluator spends its budget where winners are.
 2. *Sampling.* Optuna's TPE sampler (multivariate, grouped for the conditional space)
-   with a ``constraints_func`` proposes the rest; fit is the constraint, effective
+   proposes the rest; fit is the constraint (``Trial.set_constraint``), effective
    tokens/s the objective.
 3. *Pruning before evaluation.* Every proposed plan is scored analytically first; a plan
    predicted not to fit is recorded as ``pruned`` with its reason and costs nothing more
@@ -22,8 +22,7 @@ marked ``interrupted`` and ``--resume`` (or the same command) continues it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,15 +50,13 @@ class SearchRequest:
     @property
     def request_key(self) -> str:
         """Identical requests share this key (the budget is not part of it)."""
-        blob = json.dumps({
-            "model": self.ctx.model.fingerprint,
-            "cluster": self.ctx.cluster.as_dict(),
-            "workload": self.ctx.workload.as_dict(),
-            "allowed": self.allowed.as_dict(),
-            "backend": self.backend,
-            "headroom": self.ctx.headroom,
-        }, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+        from autofit.store import request_key
+
+        return request_key(self.ctx, backend=self.backend, allowed=self.allowed.as_dict())
+
+    @property
+    def budget(self) -> dict[str, Any]:
+        return {"trials": self.trials, "timeout_s": self.timeout_s, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,10 @@ def _constraint(result: TrialResult, ctx: EvalContext) -> list[float]:
     ]
 
 
-def _constraints_func(frozen_trial) -> list[float]:
-    return list(frozen_trial.user_attrs.get("constraint", [1.0, 1.0]))
+def _set_constraints(trial, result: TrialResult, ctx: EvalContext) -> None:
+    device, host = _constraint(result, ctx)
+    trial.set_constraint("device_memory", device)
+    trial.set_constraint("host_memory", host)
 
 
 def screen(space: SearchSpace) -> list[tuple[dict[str, Any], TrialResult]]:
@@ -144,7 +143,7 @@ class _Objective:
         self.progress("trial-start", {"number": trial.number, "plan": plan})
         if plan.plan_id in self.known:  # the sampler proposed a plan already evaluated
             result = self.known[plan.plan_id]
-            trial.set_user_attr("constraint", _constraint(result, ctx))
+            _set_constraints(trial, result, ctx)
             trial.set_user_attr("duplicate", True)
             return result.tokens_per_sec
         predicted = self.screen.evaluate(plan, ctx)
@@ -158,7 +157,7 @@ class _Objective:
         self.known[plan.plan_id] = result
         self.store.record_trial(self.study_id, result, number=trial.number, optuna_trial_id=trial._trial_id)
         trial.set_user_attr("status", result.status.value)
-        trial.set_user_attr("constraint", _constraint(result, ctx))
+        _set_constraints(trial, result, ctx)
         self.progress("trial-done", {"number": trial.number, "result": result})
         if result.status is Status.PRUNED and result.extra.get("pruned_by") == "pruner":
             raise optuna.TrialPruned(result.reason)
@@ -173,12 +172,14 @@ class _Objective:
 
 
 def _sampler(seed: int):
+    """TPE over the conditional space; it reads the constraints each trial sets."""
+    import warnings
+
     import optuna
 
-    return optuna.samplers.TPESampler(
-        seed=seed, multivariate=True, group=True, constraints_func=_constraints_func,
-        n_startup_trials=4, warn_independent_sampling=False,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # group=True
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=4)
 
 
 def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
@@ -202,9 +203,12 @@ def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bo
         if study_rec is None:
             raise AutofitError("no interrupted study of this request to resume; run without --resume")
     if study_rec is None:
-        study_rec = store.create_study(request, name=study_name)
+        study_rec = store.create_study(
+            request.ctx, backend=request.backend, allowed=request.allowed.as_dict(), budget=request.budget,
+            name=study_name, optuna_study_name=f"autofit-{secrets.token_hex(8)}",
+        )
     else:
-        store.set_study_status(study_rec.id, "running")
+        study_rec = store.resume_study(study_rec.id)
 
     known = {r.plan.plan_id: r for r in (store.trial_result(t) for t in store.trials(study_rec.id))}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -228,8 +232,7 @@ def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bo
             study.optimize(objective, n_trials=remaining, timeout=request.timeout_s, catch=(AutofitError,))
         except KeyboardInterrupt:
             interrupted = True
-    store.set_study_status(study_rec.id, "interrupted" if interrupted else "finished")
-    study_rec = store.get_study(study_rec.id)
+    study_rec = store.finish_study(study_rec.id, "interrupted" if interrupted else "finished")
     return _outcome(request, store, study_rec, interrupted=interrupted, elapsed=time.perf_counter() - t0)
 
 

@@ -84,7 +84,7 @@ class Allowed:
             "optimizers": [o.value for o in self.optimizers],
             "precisions": [p.value for p in self.precisions],
             "lora_ranks": list(self.lora_ranks),
-            "lora_targets": self.lora_targets.value,
+            "lora_targets": [self.lora_targets.value],
         }
 
 

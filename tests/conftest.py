@@ -1,6 +1,11 @@
 import os
+import secrets
 
 import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -29,3 +34,56 @@ def tiny(name: str, layers: int = 2, **overrides):
 @pytest.fixture
 def tiny_model():
     return tiny
+
+
+# -- databases: every store-backed test runs on a SQLite file and on a fresh PostgreSQL database --
+PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    """An AUTOCOMMIT engine on AUTOFIT_TEST_PG that creates and drops per-test databases."""
+    url = make_url(os.environ.get("AUTOFIT_TEST_PG", PG_DEFAULT))
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", exc)).splitlines()[0]
+        pytest.skip(f"PostgreSQL at {url.render_as_string(hide_password=True)} is unreachable: {reason}")
+    yield engine, url
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_admin):
+    """A new, empty database for one test: no test sees another's tables, concurrent runs included."""
+    engine, url = pg_admin
+    name = f"autofit_test_{os.getpid()}_{secrets.token_hex(4)}"
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    yield url.set(database=name).render_as_string(hide_password=False)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'autofit.db'}"
+    return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def store(db_url):
+    from autofit.store import Store
+
+    with Store(db_url) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_db(monkeypatch, tmp_path):
+    """No test may touch the user's real database through $AUTOFIT_DB or the default path."""
+    monkeypatch.delenv("AUTOFIT_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))

@@ -7,6 +7,8 @@ import click
 from autofit.cli.catalog import gpus, models
 from autofit.cli.db import db
 from autofit.cli.estimate import estimate
+from autofit.cli.history import best, export_cmd, history, show
+from autofit.cli.search import search
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -15,9 +17,14 @@ def cli() -> None:
     """Find the fastest LLM training plan that fits the GPUs you have."""
 
 
+cli.add_command(search)
 cli.add_command(estimate)
 cli.add_command(gpus)
 cli.add_command(models)
+cli.add_command(history)
+cli.add_command(show)
+cli.add_command(best)
+cli.add_command(export_cmd)
 cli.add_command(db)
 
 

@@ -55,7 +55,7 @@ def search(cctx: click.Context, **opts):
     request = SearchRequest(ctx=ctx, allowed=allowed, backend=backend,
                             trials=opts["trials"] or DEFAULT_TRIALS[backend],
                             timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"])
-    store = Store(opts["db"])
+    store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     console = Console(stderr=True, quiet=quiet)
     progress = report.SearchProgress(console, request) if not quiet else None

@@ -559,6 +559,18 @@ class Store:
             ).one_or_none()
             return _study_record(row) if row is not None else None
 
+    def find_resumable_study(self, request_key: str) -> StudyRecord | None:
+        """The latest interrupted (or abandoned running) study of an identical request."""
+        with self.session_scope() as s:
+            row = s.scalars(
+                select(StudyModel)
+                .where(StudyModel.request_key == request_key,
+                       StudyModel.status.in_([StudyStatus.INTERRUPTED.value, StudyStatus.RUNNING.value]))
+                .order_by(StudyModel.updated_at.desc(), StudyModel.id.desc())
+                .limit(1)
+            ).one_or_none()
+            return _study_record(row) if row is not None else None
+
     def list_studies(self, model: str | None = None, gpu: str | None = None) -> list[StudySummary]:
         """Studies, newest first, each with its best fitting trial and per-status counts.
 

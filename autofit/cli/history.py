@@ -1,0 +1,116 @@
+"""``autofit history``, ``show``, ``best``, ``export``: past studies, read from the store."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from autofit import report
+from autofit.cli.options import db_option, handle_errors, json_option
+
+
+@click.command()
+@click.option("--model", "-m", default=None, help="Only studies of this model (name or fingerprint).")
+@click.option("--gpus", "-g", default=None, help="Only studies on this GPU type (e.g. A10).")
+@db_option
+@json_option
+@handle_errors
+def history(model, gpus, db_url, as_json):
+    """List past studies with their best plan and throughput."""
+    from autofit.specs import resolve_gpu
+    from autofit.store import Store
+
+    gpu = resolve_gpu(gpus.split("x")[-1]).name if gpus else None
+    rows = Store(db_url).list_studies(model=model, gpu=gpu)
+    if as_json:
+        click.echo(report.dumps([s.as_dict() for s in rows]))
+        return
+    Console().print(report.history_table(rows))
+
+
+@click.command()
+@click.argument("study")
+@db_option
+@json_option
+@handle_errors
+def show(study, db_url, as_json):
+    """Every trial of STUDY (name or id) with status, totals and tokens/s."""
+    from autofit.store import Store
+
+    store = Store(db_url)
+    rec = store.get_study(study)
+    trials = store.trials(rec.id)
+    if as_json:
+        click.echo(report.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials]}))
+        return
+    console = Console()
+    console.print(report.study_header(rec))
+    console.print(report.trials_table(trials))
+
+
+@click.command()
+@click.option("--model", "-m", required=True, help="Model name, config path or hub id.")
+@click.option("--gpus", "-g", required=True, help="GPUs per node as COUNTxGPU.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Only plans for this sequence length.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=None, help="Only plans for this global batch.")
+@db_option
+@json_option
+@handle_errors
+def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
+    """The fastest stored plan that fits this request, across studies, without running anything."""
+    from autofit.request import build_cluster
+    from autofit.specs import resolve_model
+    from autofit.store import Store
+
+    spec = resolve_model(model)
+    cluster = build_cluster(gpus, nodes)
+    store = Store(db_url)
+    rec = store.best_trial(spec.fingerprint, cluster.label, seq_len=seq_len, global_batch=global_batch)
+    if rec is None:
+        click.echo(f"no stored plan fits {spec.name} on {cluster.label}"
+                   + (f" at seq {seq_len}" if seq_len else "") + "; run `autofit search` first", err=True)
+        sys.exit(1)
+    result = store.trial_result(rec)
+    if as_json:
+        click.echo(report.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
+        return
+    console = Console()
+    console.print(f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
+                  f"({result.evaluator}, study {rec.study_id}, trial {rec.number})")
+    console.print(report.anatomy_table(result))
+
+
+@click.command(name="export")
+@click.argument("study")
+@click.option("--trial", "trial_number", type=int, default=None, help="Trial number (default: the study's winner).")
+@click.option("--out", required=True, help="Directory to write ds_config.json, accelerate_config.yaml, trainer_args.json.")
+@db_option
+@json_option
+@handle_errors
+def export_cmd(study, trial_number, out, db_url, as_json):
+    """Write the config files of a stored plan (the winner, or --trial N)."""
+    from autofit.export import export_plan
+    from autofit.store import Store
+
+    store = Store(db_url)
+    rec = store.get_study(study)
+    trials = store.trials(rec.id)
+    if trial_number is None:
+        fitting = [t for t in trials if t.status == "fits"]
+        if not fitting:
+            raise click.ClickException(f"study {rec.name} has no plan that fits; pick one with --trial N")
+        chosen = max(fitting, key=lambda t: t.tokens_per_sec or 0)
+    else:
+        matches = [t for t in trials if t.number == trial_number]
+        if not matches:
+            raise click.ClickException(f"study {rec.name} has no trial {trial_number}; see `autofit show {rec.name}`")
+        chosen = matches[-1]
+    ctx = rec.context()
+    paths = export_plan(store.trial_result(chosen).plan, ctx, out)
+    if as_json:
+        click.echo(report.dumps({"study": rec.name, "trial": chosen.number, "files": [str(p) for p in paths]}))
+    else:
+        click.echo("\n".join(str(p) for p in paths))

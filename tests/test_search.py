@@ -1,0 +1,81 @@
+"""The search loop end to end on the analytic backend, against SQLite and PostgreSQL."""
+
+import pytest
+
+from autofit.evaluators.base import Status
+from autofit.request import build_context
+from autofit.search import SearchRequest, candidates, run_search, screen
+from autofit.space import Allowed, SearchSpace
+
+
+def request(model="gpt2", gpus="1xA10", trials=12, seq_len=1024, global_batch=8, **allowed):
+    ctx = build_context(model, gpus, seq_len=seq_len, global_batch=global_batch)
+    return SearchRequest(ctx=ctx, allowed=Allowed.parse(**allowed), backend="analytic", trials=trials)
+
+
+def test_screening_ranks_fitting_plans_first_and_enqueues_every_method():
+    space = SearchSpace(request().ctx)
+    scored = screen(space)
+    fits = [r for _, r in scored if r.fits]
+    assert fits and scored[0][1].fits
+    assert [r.tokens_per_sec for r in fits] == sorted((r.tokens_per_sec for r in fits), reverse=True)
+    picks = candidates(scored, 4)
+    assert {p["method"] for p in picks[:3]} == {"full", "lora", "qlora"}
+
+
+def test_search_stores_every_trial_and_returns_the_fastest_fitting_plan(store):
+    req = request()
+    out = run_search(req, store)
+    assert not out.from_store and not out.interrupted
+    rows = store.trials(out.study.id)
+    assert len(rows) == len(out.results) >= 8  # duplicates proposed by the sampler are not stored twice
+    assert len({r.plan_id for r in rows}) == len(rows)
+    assert out.best is not None and out.best.fits
+    assert out.best.tokens_per_sec == max(r.tokens_per_sec for r in out.results if r.fits)
+    # the global batch is the user's in every plan
+    assert all(r.plan.micro_batch * r.plan.grad_accum == 8 for r in out.results)
+    # the screen put the predicted best first: the winner of the whole space is found
+    space_best = screen(SearchSpace(req.ctx))[0][1]
+    assert out.best.tokens_per_sec == pytest.approx(space_best.tokens_per_sec)
+    assert set(out.best_per_method) == {"full", "lora", "qlora"}
+    assert store.get_study(out.study.name).status.value == "finished"
+
+
+def test_an_identical_request_is_answered_from_the_store(store):
+    first = run_search(request(), store)
+    again = run_search(request(), store)
+    assert again.from_store and again.study.id == first.study.id
+    assert len(store.trials(first.study.id)) == len(first.results)
+    fresh = run_search(request(), store, fresh=True)
+    assert fresh.study.id != first.study.id and not fresh.from_store
+
+
+def test_nothing_fits_says_what_it_would_take(store):
+    out = run_search(request("llama-3-70b", "1xT4", trials=6, seq_len=4096, global_batch=4), store)
+    assert out.best is None and out.closest is not None
+    assert all(r.status is Status.OOM for r in out.results)
+    text = " ".join(out.advice)
+    assert "needs" in text and ("fits" in text or "smaller model" in text)
+
+
+def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
+    req = request(trials=10)
+    seen = []
+
+    def stop_after_three(event, data):
+        if event == "trial-done":
+            seen.append(data["result"].plan.plan_id)
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+
+    out = run_search(req, store, progress=stop_after_three)
+    assert out.interrupted and len(store.trials(out.study.id)) == 3
+    assert store.get_study(out.study.id).status.value == "interrupted"
+    done = run_search(req, store, resume=True)
+    assert done.study.id == out.study.id and not done.interrupted
+    rows = store.trials(out.study.id)
+    assert len({r.plan_id for r in rows}) == len(rows)  # nothing evaluated twice
+    import optuna
+
+    study = optuna.load_study(study_name=done.study.optuna_study_name, storage=store.optuna_storage())
+    assert len([t for t in study.trials if t.state.is_finished()]) == 10
