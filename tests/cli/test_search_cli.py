@@ -1,0 +1,100 @@
+"""``autofit search`` and the history commands through click, on SQLite and PostgreSQL."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from autofit.cli import cli
+
+ARGS = ["--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--backend", "analytic",
+        "--trials", "6"]
+
+
+def run(*args, ok=True):
+    r = CliRunner().invoke(cli, [str(a) for a in args])
+    if ok:
+        assert r.exit_code == 0, r.output
+    return r
+
+
+def search(db_url, out, *extra):
+    return json.loads(run("search", *ARGS, "--db", db_url, "--out", out, "--json", *extra).stdout)
+
+
+def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
+    out = tmp_path / "out"
+    data = search(db_url, out)
+    assert data["best"]["fits"] and not data["from_store"]
+    assert {p.rsplit("/", 1)[-1] for p in data["exported"]} >= {"accelerate_config.yaml", "trainer_args.json"}
+    study = data["study"]
+
+    again = search(db_url, tmp_path / "out2")
+    assert again["from_store"] and again["study"] == study and again["best"]["plan_id"] == data["best"]["plan_id"]
+
+    hist = json.loads(run("history", "--db", db_url, "--json").stdout)
+    assert [h["name"] for h in hist] == [study]
+    assert hist[0]["best"]["plan_id"] == data["best"]["plan_id"]
+
+    shown = json.loads(run("show", study, "--db", db_url, "--json").stdout)
+    assert len(shown["trials"]) == sum(data["counts"].values())
+
+    best = json.loads(run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, "--json").stdout)
+    assert best["plan_id"] == data["best"]["plan_id"]
+
+    exported = json.loads(run("export", study, "--out", tmp_path / "again", "--db", db_url, "--json").stdout)
+    assert sorted(p.rsplit("/", 1)[-1] for p in exported["files"]) == sorted(
+        p.rsplit("/", 1)[-1] for p in data["exported"])
+
+
+def test_tables_render(db_url, tmp_path):
+    r = run("search", *ARGS, "--db", db_url, "--out", tmp_path / "o")
+    assert "winner" in r.output and "best plan per method" in r.output
+    assert "tokens/s" in run("history", "--db", db_url).output
+
+
+def test_best_without_a_stored_plan_exits_non_zero(db_url):
+    r = run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, ok=False)
+    assert r.exit_code == 1 and "no stored plan fits" in r.output
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["show", "no-such-study"], "no study named"),
+    (["export", "no-such-study", "--out", "x"], "no study named"),
+])
+def test_unknown_study(db_url, args, fragment):
+    r = run(*args, "--db", db_url, ok=False)
+    assert r.exit_code != 0 and fragment in r.output and "Traceback" not in r.output
+
+
+def test_bad_db_url_is_one_line(tmp_path):
+    r = run("search", *ARGS, "--db", "mysqlx://nope/db", "--out", tmp_path, ok=False)
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_unwritable_out_keeps_the_study(tmp_path):
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = run("search", *ARGS, "--db", db, "--out", blocker / "sub", ok=False)
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    hist = json.loads(run("history", "--db", db, "--json").stdout)
+    assert len(hist) == 1 and hist[0]["status"] == "finished"
+    study = hist[0]["name"]
+    ok = json.loads(run("export", study, "--out", tmp_path / "fine", "--db", db, "--json").stdout)
+    assert ok["files"]
+
+
+def test_study_file_and_override(tmp_path):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("model: gpt2\ngpus: 1xA10\nseq_len: 512\nglobal_batch: 8\nbackend: analytic\ntrials: 4\n")
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    data = json.loads(run("search", "--config", cfg, "--seq-len", "1024", "--db", db, "--out", "", "--json").stdout)
+    hist = json.loads(run("history", "--db", db, "--json").stdout)
+    assert hist[0]["workload"]["seq_len"] == 1024  # the command line wins over the file
+    assert data["best"]["fits"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: gpt2\nflavour: x\n")
+    r = run("search", "--config", bad, "--db", db, ok=False)
+    assert r.exit_code != 0 and "unknown key 'flavour'" in r.output
