@@ -28,10 +28,18 @@ import torch.nn.functional as F
 
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
-from autofit.plan import Attention, Checkpointing, LoraTargets, Method, Optimizer, Plan, Precision
+from autofit.plan import Checkpointing, Method, Optimizer, Plan
 from autofit.specs import ModelSpec, Workload
+from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names are re-exported
+    ATTN_IMPL,
+    NF4_DOUBLE_QUANT,
+    NF4_QUANT_TYPE,
+    dtype_layout,
+    half_dtype_name,
+    lora_kwargs,
+    lora_target_names,
+)
 
-ATTN_IMPL = {Attention.EAGER: "eager", Attention.SDPA: "sdpa", Attention.FLASH2: "flash_attention_2"}
 IGNORE_INDEX = -100
 
 
@@ -43,39 +51,19 @@ class Layout:
 
 
 def half_dtype(plan: Plan) -> torch.dtype:
-    return torch.float16 if plan.precision is Precision.FP16_MIXED else torch.bfloat16
+    return getattr(torch, half_dtype_name(plan))
 
 
 def layout(plan: Plan) -> Layout:
-    if plan.precision is Precision.FP32:
-        return Layout(torch.float32, torch.float32, None)
-    if plan.precision is Precision.BF16_TRUE:
-        return Layout(torch.bfloat16, torch.bfloat16, None)
-    half = half_dtype(plan)
-    if plan.engine != "torch":
-        return Layout(half, half, None)
-    if plan.method is Method.FULL:
-        return Layout(torch.float32, torch.float32, half)
-    return Layout(half, torch.float32, half)
-
-
-def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
-    return [
-        n for n, _, _, part in spec.linears()
-        if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention"
-    ]
+    """The plan's dtypes in one process (``techniques.dtype_layout``) as torch dtypes."""
+    d = dtype_layout(plan)
+    return Layout(getattr(torch, d.base), getattr(torch, d.adapter), getattr(torch, d.autocast) if d.autocast else None)
 
 
 def lora_config(spec: ModelSpec, plan: Plan):
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=plan.lora_rank,
-        lora_alpha=2 * plan.lora_rank,
-        lora_dropout=0.0,
-        target_modules=lora_target_names(spec, plan),
-        bias="none",
-    )
+    return LoraConfig(**lora_kwargs(spec, plan))
 
 
 def hf_model_class(spec: ModelSpec):
@@ -139,10 +127,12 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
                 continue
             q = bnb.nn.Linear4bit(
                 child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True, device="meta",
+                compute_dtype=compute_dtype, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT,
+                device="meta",
             )
             q.weight = bnb.nn.Params4bit(
-                child.weight.data.float(), requires_grad=False, quant_type="nf4", compress_statistics=True
+                child.weight.data.float(), requires_grad=False, quant_type=NF4_QUANT_TYPE,
+                compress_statistics=NF4_DOUBLE_QUANT,
             )
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)

@@ -1,0 +1,138 @@
+"""Export a plan as the files a user launches unchanged: DeepSpeed, Accelerate, Trainer.
+
+``export_plan(plan, ctx, out_dir)`` writes ``ds_config.json`` (DeepSpeed plans),
+``accelerate_config.yaml``, ``trainer_args.json`` and a short ``README.md`` with the
+launch command. Imports without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from autofit.evaluators.base import EvalContext
+from autofit.export.accelerate import accelerate_config, accelerate_yaml, distributed_type, write_accelerate_yaml
+from autofit.export.common import (
+    ACCELERATE_CONFIG_NAME,
+    DS_CONFIG_NAME,
+    README_NAME,
+    TRAINER_ARGS_NAME,
+    checked,
+    write_files,
+)
+from autofit.export.deepspeed import NVME_PATH, deepspeed_config
+from autofit.export.trainer import trainer_args
+from autofit.plan import Offload, OffloadDevice, Plan
+
+__all__ = [
+    "accelerate_config",
+    "deepspeed_config",
+    "export_files",
+    "export_plan",
+    "trainer_args",
+    "write_accelerate_yaml",
+]
+
+LAUNCH = f"accelerate launch --config_file {ACCELERATE_CONFIG_NAME} train.py"
+
+
+def export_files(plan: Plan, ctx: EvalContext, *, nvme_path: str = NVME_PATH) -> dict[str, str]:
+    """The export as ``{file name: text}``, in the order a reader needs them."""
+    checked(plan, ctx)
+    files: dict[str, str] = {}
+    ds_file = None
+    if plan.engine == "deepspeed":
+        files[DS_CONFIG_NAME] = _json(deepspeed_config(plan, ctx, nvme_path=nvme_path))
+        ds_file = DS_CONFIG_NAME
+    files[ACCELERATE_CONFIG_NAME] = accelerate_yaml(plan, ctx, ds_file)
+    args = trainer_args(plan, ctx, deepspeed_config_file=DS_CONFIG_NAME)
+    files[TRAINER_ARGS_NAME] = _json(args)
+    files[README_NAME] = _readme(plan, ctx, args, nvme_path)
+    return files
+
+
+def export_plan(plan: Plan, ctx: EvalContext, out_dir: str | os.PathLike, *,
+                nvme_path: str = NVME_PATH) -> list[Path]:
+    """Write the plan's config files into ``out_dir`` (created if needed); returns their paths.
+
+    Raises ``ExportError`` with one line when the directory cannot be written; nothing
+    half-written is left behind.
+    """
+    return write_files(out_dir, export_files(plan, ctx, nvme_path=nvme_path))
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+_TRAIN_PY = '''\
+import json
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+
+t = json.load(open("trainer_args.json"))
+kwargs = dict(t["model_kwargs"])
+if t["quantization"]:
+    kwargs["quantization_config"] = BitsAndBytesConfig(**t["quantization"])
+model = AutoModelForCausalLM.from_pretrained(t["model"], **kwargs)
+if t["peft"]:
+    model = get_peft_model(model, LoraConfig(**t["peft"]), **t["peft_model_kwargs"])
+args = TrainingArguments(output_dir="out", **t["training_arguments"])
+Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()
+'''
+
+
+def _readme(plan: Plan, ctx: EvalContext, args: dict, nvme_path: str) -> str:
+    m, c, w = ctx.model, ctx.cluster, ctx.workload
+    kind = distributed_type(plan, ctx)
+    rows = [f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "
+            f"{c.nodes} machine(s), {kind} |"]
+    if plan.engine == "deepspeed":
+        rows.insert(0, f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: batch sizes, precision, "
+                       "buckets, offload, optimizer |")
+    rows.append(f"| `{TRAINER_ARGS_NAME}` | keyword arguments for `TrainingArguments`, `from_pretrained`, "
+                "PEFT and bitsandbytes; data and loss settings |")
+    before = []
+    if plan.engine == "deepspeed" and plan.offload_device is OffloadDevice.NVME and plan.offload is not Offload.NONE:
+        before.append(f"- `nvme_path` in `{DS_CONFIG_NAME}` is `{nvme_path}`: make it a directory on a local "
+                      "NVMe drive of every node.")
+    if c.nodes > 1:
+        before.append("- On node i, add `--machine_rank i --main_process_ip <address of node 0>` to the command.")
+    before += [f"- {n[0].upper()}{n[1:]}." for n in args["notes"]]
+    data = args["data"]
+    before.append(f"- Batches: `{data['data_collator']}` with {json.dumps(data['data_collator_kwargs'])}, "
+                  f"sequences up to {data['max_length']} tokens.")
+    if args["fused_loss"]["enabled"]:
+        fl = args["fused_loss"]
+        before.append(f"- Fused loss: {fl['kernel'] or 'no kernel for this model'}; {fl['fallback']}.")
+    source = f" ({m.source})" if m.source and m.source != m.name else ""
+    return "\n".join([
+        f"# autofit plan {plan.plan_id}",
+        "",
+        f"`{plan.summary()}`",
+        "",
+        f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
+        f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
+        "",
+        "| file | what it sets |",
+        "|---|---|",
+        *rows,
+        "",
+        "## Launch",
+        "",
+        "From this directory:",
+        "",
+        f"    {LAUNCH}",
+        "",
+        "`train.py` is your training script. With the Hugging Face Trainer it reads `trainer_args.json` so:",
+        "",
+        "```python",
+        _TRAIN_PY.rstrip("\n"),
+        "```",
+        "",
+        "## Check before launching",
+        "",
+        *before,
+        "",
+    ])

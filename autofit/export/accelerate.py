@@ -1,0 +1,132 @@
+"""``accelerate_config.yaml``: how ``accelerate launch`` starts the plan's processes.
+
+Key names are those of accelerate's ``ClusterConfig`` and of the ``accelerate launch``
+options its ``deepspeed_config`` / ``fsdp_config`` sections feed; the tests load every
+exported file with accelerate's own loader and launch-argument processing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from autofit.errors import ExportError
+from autofit.evaluators.base import EvalContext
+from autofit.export.common import checked, write_files
+from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
+
+# The block FSDP wraps and checkpoints as one unit: each family's decoder layer class in
+# transformers (a test builds every family and finds num_layers instances of it).
+DECODER_LAYER = {
+    "llama": "LlamaDecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "phi3": "Phi3DecoderLayer",
+    "gpt2": "GPT2Block",
+    "bert": "BertLayer",
+}
+
+_MIXED_PRECISION = {
+    Precision.BF16_MIXED: "bf16",
+    Precision.FP16_MIXED: "fp16",
+    Precision.FP32: "no",
+    # bf16-true: the model is loaded in bf16 and trained without autocast or fp32 copies
+    Precision.BF16_TRUE: "no",
+}
+
+
+def distributed_type(plan: Plan, ctx: EvalContext) -> str:
+    if plan.engine == "deepspeed":
+        return "DEEPSPEED"
+    if plan.engine == "fsdp":
+        return "FSDP"
+    return "MULTI_GPU" if ctx.cluster.world_size > 1 else "NO"
+
+
+def accelerate_config(plan: Plan, ctx: EvalContext, deepspeed_config_file: str | None = None) -> dict[str, Any]:
+    """The accelerate config of ``plan``; DeepSpeed plans need the path of their ds_config.json.
+
+    A relative ``deepspeed_config_file`` is read from the directory ``accelerate launch``
+    runs in, so an export can be copied to the training machine as a whole.
+    """
+    checked(plan, ctx)
+    kind = distributed_type(plan, ctx)
+    if kind == "DEEPSPEED" and not deepspeed_config_file:
+        raise ExportError("a DeepSpeed plan's accelerate config needs the path of its ds_config.json")
+    if kind != "DEEPSPEED" and deepspeed_config_file:
+        raise ExportError(f"plan {plan.summary()!r} does not run on DeepSpeed; it takes no ds_config.json")
+    cluster = ctx.cluster
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": kind,
+        "num_processes": cluster.world_size,
+        "num_machines": cluster.nodes,
+        "machine_rank": 0,
+        "gpu_ids": "all",
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+        "debug": False,
+    }
+    if cluster.nodes > 1:
+        cfg["main_process_port"] = 29500
+    if kind == "DEEPSPEED":
+        # No mixed_precision here: accelerate refuses it next to a deepspeed_config_file
+        # and takes the precision from the file's bf16/fp16 section.
+        ds: dict[str, Any] = {
+            "deepspeed_config_file": deepspeed_config_file,
+            # ZeRO-3 partitions weights while from_pretrained loads them; transformers
+            # skips that for 4-bit weights, which are partitioned at deepspeed.initialize.
+            "zero3_init_flag": plan.zero_stage == 3 and plan.method is not Method.QLORA,
+        }
+        if cluster.nodes > 1:
+            ds["deepspeed_multinode_launcher"] = "standard"
+        cfg["deepspeed_config"] = ds
+    else:
+        cfg["mixed_precision"] = _MIXED_PRECISION[plan.precision]
+    if kind == "FSDP":
+        cfg["fsdp_config"] = fsdp_config(plan, ctx)
+    return cfg
+
+
+def fsdp_config(plan: Plan, ctx: EvalContext) -> dict[str, Any]:
+    """FSDP2, full sharding per decoder layer, as the memory model assumes: parameters
+    resharded after forward (two layers gathered at a time), optional CPU offload of
+    parameters, gradients and optimizer states, checkpointing of each layer."""
+    layer = DECODER_LAYER.get(ctx.model.model_type)
+    if layer is None:
+        raise ExportError(
+            f"no FSDP wrap class is known for model type {ctx.model.model_type!r}; "
+            f"known: {', '.join(sorted(DECODER_LAYER))}"
+        )
+    qlora = plan.method is Method.QLORA
+    return {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": layer,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_offload_params": plan.offload is not Offload.NONE,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        # rank 0 loads, the others receive shards; accelerate skips that broadcast for 4-bit
+        # weights, so QLoRA loads on every rank
+        "fsdp_cpu_ram_efficient_loading": not qlora,
+        # FSDP checkpoints each wrapped layer itself; TrainingArguments.gradient_checkpointing
+        # stays off (transformers refuses both at once)
+        "fsdp_activation_checkpointing": plan.checkpointing is Checkpointing.FULL,
+    }
+
+
+def accelerate_yaml(plan: Plan, ctx: EvalContext, deepspeed_config_file: str | None = None) -> str:
+    import yaml
+
+    return yaml.safe_dump(accelerate_config(plan, ctx, deepspeed_config_file), sort_keys=True)
+
+
+def write_accelerate_yaml(plan: Plan, ctx: EvalContext, path: str | os.PathLike,
+                          deepspeed_config_file: str | None = None) -> Path:
+    """Write the accelerate config to ``path`` (atomically); returns the path."""
+    path = Path(path)
+    return write_files(path.parent, {path.name: accelerate_yaml(plan, ctx, deepspeed_config_file)})[0]

@@ -1,0 +1,167 @@
+"""``trainer_args.json``: the training script's side of the plan, as keyword arguments.
+
+``training_arguments`` for ``transformers.TrainingArguments``, ``model_kwargs`` for
+``from_pretrained``, ``peft`` for ``peft.LoraConfig``, ``quantization`` for
+``transformers.BitsAndBytesConfig``; ``data`` and ``fused_loss`` say how batches and the
+loss must be built for the memory the plan was judged by. LoRA and dtype choices come from
+``autofit.techniques``, the module the runtime builds its models with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.evaluators.base import EvalContext
+from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
+from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precision
+from autofit.techniques import ATTN_IMPL, NF4_DOUBLE_QUANT, NF4_QUANT_TYPE, dtype_layout, half_dtype_name, lora_kwargs
+
+# TrainingArguments.optim for each optimizer (transformers' OptimizerNames values)
+OPTIM_NAME = {
+    Optimizer.ADAMW: "adamw_torch_fused",
+    Optimizer.ADAMW_8BIT: "adamw_bnb_8bit",
+    Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit",
+    Optimizer.ADAFACTOR: "adafactor",
+    Optimizer.SGD: "sgd",
+}
+
+# Families with a Liger fused linear-cross-entropy patch (liger_kernel.transformers)
+LIGER_FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "phi3")
+
+# Only the loss is fused: the memory model assumes the model's own RoPE, norms and MLP.
+LIGER_LOSS_ONLY = {
+    "fused_linear_cross_entropy": True,
+    "cross_entropy": False,
+    "rope": False,
+    "rms_norm": False,
+    "layer_norm": False,
+    "swiglu": False,
+    "geglu": False,
+}
+
+
+def trainer_args(plan: Plan, ctx: EvalContext, *, deepspeed_config_file: str = DS_CONFIG_NAME) -> dict[str, Any]:
+    """Everything the training script needs besides the launch config, JSON-serialisable."""
+    checked(plan, ctx)
+    hp = hyperparameters(plan)
+    lay = dtype_layout(plan)
+    fsdp = plan.engine == "fsdp"
+    ckpt = plan.checkpointing is Checkpointing.FULL
+    notes: list[str] = []
+
+    ta: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "learning_rate": hp.learning_rate,
+        "adam_beta1": hp.adam_beta1,
+        "adam_beta2": hp.adam_beta2,
+        "adam_epsilon": hp.adam_epsilon,
+        "weight_decay": hp.weight_decay,
+        "max_grad_norm": hp.max_grad_norm,
+        "optim": OPTIM_NAME[plan.optimizer],
+        # DeepSpeed takes bf16 for bf16-true as well (fp32 master weights); elsewhere
+        # bf16-true means a bf16 model without autocast
+        "bf16": plan.precision is Precision.BF16_MIXED
+        or (plan.precision is Precision.BF16_TRUE and plan.engine == "deepspeed"),
+        "fp16": plan.precision is Precision.FP16_MIXED,
+        # transformers 5 renames these activation_checkpointing*; the old names still work
+        # there and are the only ones 4.x knows
+        "gradient_checkpointing": ckpt and not fsdp,
+    }
+    if ckpt and not fsdp:
+        ta["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if ckpt and fsdp:
+        notes.append("activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
+                     "accelerate_config.yaml); keep gradient_checkpointing off")
+    if plan.engine == "deepspeed":
+        ta["deepspeed"] = deepspeed_config_file
+        if plan.optimizer is Optimizer.ADAMW:
+            notes.append("DeepSpeed builds the optimizer from ds_config.json ("
+                         + ("DeepSpeedCPUAdam on the offloaded states" if plan.offload is not Offload.NONE
+                            else "torch AdamW") + "); optim is not used")
+
+    liger = plan.fused_loss and ctx.model.model_type in LIGER_FAMILIES
+    if liger:
+        ta["use_liger_kernel"] = True
+        ta["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
+
+    result: dict[str, Any] = {
+        "model": ctx.model.source or ctx.model.name,
+        "training_arguments": ta,
+        "model_kwargs": {"attn_implementation": ATTN_IMPL[plan.attention], "dtype": lay.base},
+        "peft": None,
+        "peft_model_kwargs": None,
+        "quantization": None,
+        "data": _data(plan, ctx),
+        "fused_loss": _fused_loss(plan, liger),
+    }
+    if plan.is_peft:
+        result["peft"] = lora_kwargs(ctx.model, plan)
+        # fp32 adapters where the memory model counts 4 bytes: full precision, or mixed
+        # precision outside DeepSpeed (which casts the whole module to 16-bit)
+        mixed = plan.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        result["peft_model_kwargs"] = {
+            "autocast_adapter_dtype": plan.precision is Precision.FP32 or (mixed and plan.engine != "deepspeed")
+        }
+    if plan.method is Method.QLORA:
+        result["quantization"] = quantization_kwargs(plan)
+        notes.append("load with quantization_config=BitsAndBytesConfig(**quantization) and skip "
+                     "peft.prepare_model_for_kbit_training: it upcasts the unquantized layers to fp32, "
+                     "which the plan's memory does not include")
+    result["notes"] = notes
+    return result
+
+
+def quantization_kwargs(plan: Plan) -> dict[str, Any]:
+    """``BitsAndBytesConfig`` for QLoRA: the runtime's NF4 double quantization.
+
+    FSDP and ZeRO-3 shard only floating-point tensors, so there the packed 4-bit weights
+    are stored in the compute dtype (same bytes, different element type).
+    """
+    half = half_dtype_name(plan)
+    sharded = plan.engine == "fsdp" or plan.zero_stage == 3
+    return {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": NF4_QUANT_TYPE,
+        "bnb_4bit_use_double_quant": NF4_DOUBLE_QUANT,
+        "bnb_4bit_compute_dtype": half,
+        "bnb_4bit_quant_storage": half if sharded else "uint8",
+    }
+
+
+def _data(plan: Plan, ctx: EvalContext) -> dict[str, Any]:
+    if plan.packing:
+        return {
+            "max_length": ctx.workload.seq_len,
+            "packing": True,
+            # padding-free: a micro-batch becomes one row, sequences kept apart by
+            # position ids restarting at 0 (flash-attention's variable-length kernel)
+            "data_collator": "transformers.DataCollatorWithFlattening",
+            "data_collator_kwargs": {"return_position_ids": True, "separator_id": -100},
+        }
+    return {
+        "max_length": ctx.workload.seq_len,
+        "packing": False,
+        # each micro-batch padded to its longest sequence, padding labels ignored
+        "data_collator": "transformers.DataCollatorForSeq2Seq",
+        "data_collator_kwargs": {"padding": "longest", "label_pad_token_id": -100},
+    }
+
+
+def _fused_loss(plan: Plan, liger: bool) -> dict[str, Any]:
+    if not plan.fused_loss:
+        return {"enabled": False}
+    if liger:
+        return {
+            "enabled": True,
+            "kernel": "liger_kernel fused_linear_cross_entropy (pip install liger-kernel; CUDA only)",
+            "fallback": "autofit.evaluators.runtime.chunked_cross_entropy in a custom compute_loss "
+                        "gives the same memory where Liger cannot run",
+        }
+    return {
+        "enabled": True,
+        "kernel": None,
+        "fallback": "Liger has no kernel for this model type: compute the loss with "
+                    "autofit.evaluators.runtime.chunked_cross_entropy in a custom compute_loss, "
+                    "or the full logits need more memory than the plan was judged by",
+    }

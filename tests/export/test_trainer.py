@@ -1,0 +1,160 @@
+"""trainer_args.json, constructed by transformers, PEFT and bitsandbytes, and checked against
+ds_config.json and the runtime autofit measures with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autofit.evaluators import runtime
+from autofit.export import deepspeed_config, trainer_args
+from autofit.export.trainer import LIGER_FAMILIES
+from autofit.plan import Checkpointing, Method, Optimizer, Plan, Precision
+from tests.export.conftest import training_arguments_at
+from tests.export.plans import TARGETS, sweep, target
+
+# the optimizer class the Trainer builds for each plan optimizer (what the memory model assumed)
+_OPTIMIZER_CLASS = {
+    Optimizer.ADAMW: ("torch.optim.adamw", "AdamW"),
+    Optimizer.ADAMW_8BIT: ("bitsandbytes.optim.adamw", "AdamW"),
+    Optimizer.PAGED_ADAMW_8BIT: ("bitsandbytes.optim.adamw", "AdamW"),
+    Optimizer.ADAFACTOR: ("transformers.optimization", "Adafactor"),
+    Optimizer.SGD: ("torch.optim.sgd", "SGD"),
+}
+
+
+def _training_arguments(tmp_path, world, ta):
+    """The exported kwargs with use_cpu, without which bf16/fp16 are refused on this machine,
+    and without the DeepSpeed file, which is checked by transformers' own DeepSpeed step below."""
+    kwargs = {k: v for k, v in ta.items() if k != "deepspeed"}
+    return training_arguments_at(world)(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+
+
+def check(plan, ctx, args, tmp_path, cache) -> None:
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, Trainer
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    assert json.loads(json.dumps(args)) == args
+    ta = args["training_arguments"]
+    world = ctx.cluster.world_size
+    key = json.dumps([ta, world], sort_keys=True)
+    if key not in cache:
+        cache[key] = _training_arguments(tmp_path, world, ta)
+    targs = cache[key]
+    assert targs.per_device_train_batch_size * targs.gradient_accumulation_steps * world == ctx.workload.global_batch
+    assert targs.gradient_checkpointing is (plan.checkpointing is Checkpointing.FULL and plan.engine != "fsdp")
+    if targs.gradient_checkpointing:
+        assert targs.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert targs.fp16 is (plan.precision is Precision.FP16_MIXED)
+
+    if plan.engine == "deepspeed":
+        assert ta["deepspeed"] == "ds_config.json"
+        # transformers' own comparison of the two files, at the plan's world size
+        hf = HfTrainerDeepSpeedConfig(deepspeed_config(plan, ctx))
+        try:
+            hf.trainer_config_process(targs)
+            assert hf.mismatches == []
+        finally:
+            unset_hf_deepspeed_config()
+    if plan.engine != "deepspeed" or plan.optimizer is not Optimizer.ADAMW:
+        cls, _ = Trainer.get_optimizer_cls_and_kwargs(targs)
+        assert (cls.__module__, cls.__name__) == _OPTIMIZER_CLASS[plan.optimizer]
+
+    lay = runtime.layout(plan)
+    assert getattr(torch, args["model_kwargs"]["dtype"]) == lay.base_dtype
+    assert args["model_kwargs"]["attn_implementation"] == runtime.ATTN_IMPL[plan.attention]
+
+    if plan.is_peft:
+        exported = LoraConfig(**args["peft"]).to_dict()
+        assert exported == runtime.lora_config(ctx.model, plan).to_dict()
+    else:
+        assert args["peft"] is None and args["peft_model_kwargs"] is None
+    if plan.method is Method.QLORA:
+        bnb = BitsAndBytesConfig(**args["quantization"])
+        assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
+        assert bnb.bnb_4bit_compute_dtype == runtime.half_dtype(plan)
+        sharded = plan.engine == "fsdp" or plan.zero_stage == 3
+        assert bnb.bnb_4bit_quant_storage == (runtime.half_dtype(plan) if sharded else torch.uint8)
+    else:
+        assert args["quantization"] is None
+
+    liger = plan.fused_loss and ctx.model.model_type in LIGER_FAMILIES
+    assert targs.use_liger_kernel is liger
+    assert args["fused_loss"]["enabled"] is plan.fused_loss
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_plan_constructs_in_the_libraries(name, tmp_path):
+    ctx = target(name)
+    plans = list(sweep(ctx))
+    assert len(plans) >= 40
+    cache: dict = {}
+    failures = []
+    for plan in plans:
+        try:
+            check(plan, ctx, trainer_args(plan, ctx), tmp_path, cache)
+        except Exception as exc:
+            failures.append(f"{plan.summary()}: {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_transformers_catches_files_that_disagree(tmp_path):
+    """The DeepSpeed comparison above can fail: a learning rate edited in one file only."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    ctx = target("mistral-2xA10")
+    plan = Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=8, sharding="zero2")
+    ta = trainer_args(plan, ctx)["training_arguments"]
+    edited = deepspeed_config(plan, ctx)
+    edited["optimizer"]["params"]["lr"] = 1e-3
+    try:
+        hf = HfTrainerDeepSpeedConfig(edited)
+        hf.trainer_config_process(_training_arguments(tmp_path, 2, ta))
+        assert [m for m in hf.mismatches if "optimizer.params.lr" in m]
+        hf = HfTrainerDeepSpeedConfig(deepspeed_config(plan, ctx))
+        hf.trainer_config_process(_training_arguments(tmp_path, 4, ta))  # the same files on 4 GPUs
+        assert [m for m in hf.mismatches if "train_batch_size" in m]
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_bf16_true_outside_deepspeed_is_a_bf16_model_without_autocast():
+    ctx = target("qwen2-1xA100")
+    args = trainer_args(Plan(method="lora", lora_rank=8, precision="bf16-true", micro_batch=2, grad_accum=4), ctx)
+    assert args["training_arguments"]["bf16"] is False
+    assert args["model_kwargs"]["dtype"] == "bfloat16"
+    assert args["peft_model_kwargs"] == {"autocast_adapter_dtype": False}  # bf16 adapters, as the runtime has
+
+
+def test_packing_collator_builds_the_runtime_packed_batch():
+    """DataCollatorWithFlattening with the exported kwargs gives what the runtime measured:
+    one row, position ids restarting per sequence, no label across a boundary."""
+    import torch
+    from transformers import DataCollatorWithFlattening
+
+    ctx = target("mistral-2xA10")
+    plan = Plan(method="lora", lora_rank=16, attention="flash2", packing=True, micro_batch=2, grad_accum=4)
+    data = trainer_args(plan, ctx)["data"]
+    assert data["data_collator"] == "transformers.DataCollatorWithFlattening"
+    collate = DataCollatorWithFlattening(**data["data_collator_kwargs"])
+    a, b = [5, 6, 7], [8, 9]
+    batch = collate([{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    # the runtime's packed batch has the same shape of labels and positions
+    rt = runtime.synthetic_batch(ctx.model.variant(vocab_size=100, name="v"), plan, ctx.workload.__class__(
+        seq_len=4, global_batch=16))
+    assert rt["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert (rt["labels"][0, [0, 4]] == -100).all() and torch.equal(rt["labels"][0, [1, 2, 3]], rt["input_ids"][0, [1, 2, 3]])
+
+
+def test_fused_loss_without_a_liger_kernel_names_the_fallback():
+    ctx = target("gpt2-1xT4")
+    args = trainer_args(Plan(precision="fp16-mixed", micro_batch=1, grad_accum=8, fused_loss=True), ctx)
+    assert "use_liger_kernel" not in args["training_arguments"]
+    assert args["fused_loss"]["kernel"] is None
+    assert "chunked_cross_entropy" in args["fused_loss"]["fallback"]
