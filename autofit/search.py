@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -126,10 +127,9 @@ def candidates(scored: list[tuple[dict[str, Any], TrialResult]], k: int) -> list
 
 
 class _Objective:
-    def __init__(self, request: SearchRequest, space: SearchSpace, store, study_id: int,
-                 known: dict[str, TrialResult], progress: Progress | None):
+    def __init__(self, request: SearchRequest, space: SearchSpace, store, study_id: int, progress: Progress | None):
         self.request, self.space, self.store, self.study_id = request, space, store, study_id
-        self.known = known  # plan_id -> result already evaluated in this study
+        self.claim: _Claim | None = None  # released as soon as the trial exists
         self.progress = progress or (lambda event, data: None)
         self.screen = AnalyticEvaluator()
         self.evaluator = None if request.backend == "analytic" else get_evaluator(request.backend)
@@ -137,12 +137,15 @@ class _Objective:
     def __call__(self, trial) -> float:
         import optuna
 
+        if self.claim is not None:
+            self.claim.release()
         ctx = self.request.ctx
         plan = self.space.suggest(trial)
         trial.set_user_attr("plan_id", plan.plan_id)
         self.progress("trial-start", {"number": trial.number, "plan": plan})
-        if plan.plan_id in self.known:  # the sampler proposed a plan already evaluated
-            result = self.known[plan.plan_id]
+        known = {t.plan_id: t for t in self.store.trials(self.study_id)}  # by any worker
+        if plan.plan_id in known:  # the sampler proposed a plan already evaluated
+            result = known[plan.plan_id].result()
             _set_constraints(trial, result, ctx)
             trial.set_user_attr("duplicate", True)
             return result.tokens_per_sec
@@ -154,7 +157,6 @@ class _Objective:
                                          reason=f"predicted not to fit: {predicted.reason}")
         else:
             result = self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial))
-        self.known[plan.plan_id] = result
         self.store.record_trial(self.study_id, result, number=trial.number, optuna_trial_id=trial._trial_id)
         trial.set_user_attr("status", result.status.value)
         _set_constraints(trial, result, ctx)
@@ -173,8 +175,6 @@ class _Objective:
 
 def _sampler(seed: int):
     """TPE over the conditional space; it reads the constraints each trial sets."""
-    import warnings
-
     import optuna
 
     with warnings.catch_warnings():
@@ -182,58 +182,193 @@ def _sampler(seed: int):
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=4)
 
 
-def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
-               study_name: str | None = None, progress: Progress | None = None) -> SearchOutcome:
-    """Run (or answer from the store, or resume) the study for ``request``."""
+HEARTBEAT_INTERVAL_S = 10  # how often a running trial pings the database
+HEARTBEAT_GRACE_S = 60  # after this silence a trial's worker is taken for dead
+_OK_STATES = ("COMPLETE", "PRUNED")
+
+
+def request_from_study(rec) -> SearchRequest:
+    """The request a stored study was made for (workers rebuild it from the database)."""
+    from autofit.plan import LoraTargets, Optimizer, Precision
+
+    a = rec.allowed
+    allowed = Allowed(
+        methods=tuple(Method(m) for m in a.get("methods", [])) or Allowed().methods,
+        optimizers=tuple(Optimizer(o) for o in a.get("optimizers", [])) or Allowed().optimizers,
+        precisions=tuple(Precision(p) for p in a.get("precisions", [])),
+        lora_ranks=tuple(int(r) for r in a.get("lora_ranks", [])) or Allowed().lora_ranks,
+        lora_targets=LoraTargets((a.get("lora_targets") or ["all-linear"])[0]),
+    )
+    b = rec.budget or {}
+    return SearchRequest(ctx=rec.context(), allowed=allowed, backend=rec.backend, trials=int(b.get("trials", 1)),
+                         timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)))
+
+
+def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
+                   study_name: str | None = None, progress: Progress | None = None):
+    """The study to work on: an identical finished one (answer from the store), the one to
+    resume, or a new one with the screened candidates enqueued. Returns ``(record, finished)``."""
     import optuna
 
-    t0 = time.perf_counter()
     progress = progress or (lambda event, data: None)
-    space = SearchSpace(request.ctx, request.allowed)
     key = request.request_key
-
     if not fresh and not resume:
         done = store.find_finished_study(key)
         if done is not None:
-            return _outcome(request, store, done, from_store=True, elapsed=time.perf_counter() - t0)
-
+            return done, True
     study_rec = None
     if resume:
         study_rec = store.get_study(study_name) if study_name else store.find_resumable_study(key)
         if study_rec is None:
             raise AutofitError("no interrupted study of this request to resume; run without --resume")
-    if study_rec is None:
+        study_rec = store.resume_study(study_rec.id)
+    else:
         study_rec = store.create_study(
             request.ctx, backend=request.backend, allowed=request.allowed.as_dict(), budget=request.budget,
             name=study_name, optuna_study_name=f"autofit-{secrets.token_hex(8)}",
         )
-    else:
-        study_rec = store.resume_study(study_rec.id)
-
-    known = {r.plan.plan_id: r for r in (store.trial_result(t) for t in store.trials(study_rec.id))}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=study_rec.optuna_study_name, storage=store.optuna_storage(), direction="maximize",
-        sampler=_sampler(request.seed), pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
-        load_if_exists=True,
-    )
-    finished = [t for t in study.trials if t.state.is_finished()]
-    remaining = request.trials - len(finished)
-    if not finished:
+    study = optuna.create_study(study_name=study_rec.optuna_study_name, storage=store.optuna_storage(),
+                                direction="maximize", load_if_exists=True)
+    if not study.trials:
+        space = SearchSpace(request.ctx, request.allowed)
         progress("screening", {"space": space})
         scored = screen(space)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
         for params in candidates(scored, min(ENQUEUE_MAX, max(1, request.trials // 2))):
             study.enqueue_trial(params, skip_if_exists=True)
-    interrupted = False
-    if remaining > 0:
-        objective = _Objective(request, space, store, study_rec.id, known, progress)
-        try:
-            study.optimize(objective, n_trials=remaining, timeout=request.timeout_s, catch=(AutofitError,))
-        except KeyboardInterrupt:
-            interrupted = True
+    return study_rec, False
+
+
+class _Claim:
+    """The study lock, held from the budget check until the new trial exists (released by the objective)."""
+
+    def __init__(self, cm):
+        self._cm = cm
+        self._held = False
+
+    def __enter__(self) -> "_Claim":
+        self._cm.__enter__()
+        self._held = True
+        return self
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._cm.__exit__(None, None, None)
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def work(request: SearchRequest, store, study_rec, *, progress: Progress | None = None, seed: int | None = None,
+         heartbeat: tuple[int | None, int | None] = (None, None), poll_s: float = 1.0) -> bool:
+    """Evaluate trials of the study until its trial budget is met; True if interrupted (Ctrl-C).
+
+    Any number of these loops, in any processes on any hosts sharing the database, split
+    one study: each claims a trial under the study lock only while finished + running
+    trials are under the budget, so the study ends with exactly ``trials`` finished
+    trials. With a heartbeat, a trial whose worker died is failed by Optuna after the
+    grace period and its slot is claimed again.
+    """
+    import optuna
+
+    space = SearchSpace(request.ctx, request.allowed)
+    study = optuna.load_study(
+        study_name=study_rec.optuna_study_name, storage=store.optuna_storage(*heartbeat),
+        sampler=_sampler(request.seed if seed is None else seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
+    )
+    objective = _Objective(request, space, store, study_rec.id, progress)
+    deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            with _Claim(store.study_lock(study_rec.id)) as claim:
+                if heartbeat[0]:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        optuna.storages.fail_stale_trials(study)
+                states = [t.state.name for t in study.get_trials(deepcopy=False)]
+                done = sum(s in _OK_STATES for s in states)
+                if done >= request.trials:
+                    return False
+                if done + states.count("RUNNING") < request.trials:
+                    objective.claim = claim
+                    remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
+                    study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
+                    continue
+            time.sleep(poll_s)  # the rest of the budget is running in other workers
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
+               study_name: str | None = None, progress: Progress | None = None,
+               workers: int = 1) -> SearchOutcome:
+    """Run (or answer from the store, or resume) the study for ``request``.
+
+    ``workers=0`` only creates the study (screened and enqueued) for ``autofit worker``s.
+    """
+    t0 = time.perf_counter()
+    study_rec, finished = prepare_search(request, store, fresh=fresh, resume=resume, study_name=study_name,
+                                         progress=progress)
+    if finished:
+        return _outcome(request, store, study_rec, from_store=True, elapsed=time.perf_counter() - t0)
+    if workers <= 0:
+        return _outcome(request, store, study_rec, elapsed=time.perf_counter() - t0)
+    interrupted = work(request, store, study_rec, progress=progress)
     study_rec = store.finish_study(study_rec.id, "interrupted" if interrupted else "finished")
     return _outcome(request, store, study_rec, interrupted=interrupted, elapsed=time.perf_counter() - t0)
+
+
+def run_worker(store, study: str, *, progress: Progress | None = None,
+               heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL_S, HEARTBEAT_GRACE_S)) -> SearchOutcome:
+    """``autofit worker``: join a stored study and evaluate until its budget is spent."""
+    t0 = time.perf_counter()
+    rec = store.get_study(study)
+    if rec.status.value == "finished":
+        return _outcome(request_from_study(rec), store, rec, from_store=True)
+    request = request_from_study(rec)
+    interrupted = work(request, store, rec, progress=progress, seed=secrets.randbelow(2**31), heartbeat=heartbeat)
+    if not interrupted:
+        rec = store.finish_study(rec.id, "finished")
+    return _outcome(request, store, store.get_study(rec.id), interrupted=interrupted,
+                    elapsed=time.perf_counter() - t0)
+
+
+def stored_outcome(request: SearchRequest, store, rec) -> SearchOutcome:
+    """The answer of a finished study, read from the store."""
+    return _outcome(request, store, rec, from_store=True)
+
+
+def follow(store, study: str, *, progress: Progress | None = None, poll_s: float = 2.0,
+           alive: Callable[[], bool] | None = None) -> SearchOutcome:
+    """``autofit search --wait``: report a study's trials as workers finish them, until it is done.
+
+    ``alive``: whether the workers we started still run (stop following when none does).
+    """
+    t0 = time.perf_counter()
+    rec = store.get_study(study)
+    request = request_from_study(rec)
+    seen: set[int] = set()
+    while True:
+        for t in store.trials(rec.id):
+            if t.id not in seen:
+                seen.add(t.id)
+                if progress:
+                    progress("trial-done", {"number": t.number, "result": t.result()})
+        rec = store.get_study(rec.id)
+        if rec.status.value != "running":
+            break
+        if alive is not None and not alive():
+            rec = store.get_study(rec.id)
+            if rec.status.value == "running":
+                raise AutofitError(f"every worker of study {rec.name} stopped before it finished; "
+                                   f"start more with `autofit worker --study {rec.name}`")
+            break
+        time.sleep(poll_s)
+    return _outcome(request, store, rec, elapsed=time.perf_counter() - t0)
 
 
 def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = False, interrupted: bool = False,

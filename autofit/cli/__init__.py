@@ -9,6 +9,7 @@ from autofit.cli.db import db
 from autofit.cli.estimate import estimate
 from autofit.cli.history import best, export_cmd, history, show
 from autofit.cli.search import search
+from autofit.cli.worker import worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -18,6 +19,7 @@ def cli() -> None:
 
 
 cli.add_command(search)
+cli.add_command(worker)
 cli.add_command(estimate)
 cli.add_command(gpus)
 cli.add_command(models)

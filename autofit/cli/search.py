@@ -31,6 +31,11 @@ from autofit.errors import SpecError
 @click.option("--out", default="autofit-out", show_default=True, help="Directory for the winner's config files.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="A study file (YAML); options on the command line override it.")
+@click.option("--workers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="0: only create the study for `autofit worker`s on other nodes (then --wait follows it).")
+@click.option("--wait", is_flag=True, help="With --workers 0: follow the study until the workers finish it.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @db_option
 @json_option
@@ -59,8 +64,11 @@ def search(cctx: click.Context, **opts):
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     console = Console(stderr=True, quiet=quiet)
     progress = report.SearchProgress(console, request) if not quiet else None
-    outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"],
-                         progress=progress)
+    if opts["parallel"] > 1 or opts["workers"] == 0:
+        outcome = _distributed(request, store, opts, progress)
+    else:
+        outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"],
+                             progress=progress)
     exported = []
     if outcome.best is not None and opts["out"]:
         from autofit.export import export_plan
@@ -74,6 +82,28 @@ def search(cctx: click.Context, **opts):
         sys.exit(130)
     if outcome.best is None:
         sys.exit(3)
+
+
+def _distributed(request, store, opts, progress):
+    """--workers 0 (workers elsewhere evaluate; --wait follows) or --parallel K (K local workers)."""
+    from autofit.search import follow, prepare_search, stored_outcome
+    from autofit.workers import spawn_local_workers
+
+    rec, finished = prepare_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
+                                   study_name=opts["name"], progress=progress)
+    if finished:
+        return stored_outcome(request, store, rec)
+    if opts["parallel"] > 1:
+        with spawn_local_workers(rec.name, store.url, opts["parallel"], request) as alive:
+            return follow(store, rec.name, progress=progress, alive=alive)
+    if not opts["wait"]:
+        click.echo(f"study {rec.name} created; on each node start:\n"
+                   f"  autofit worker --study {rec.name} --db '{store.masked_url}'\n"
+                   f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {rec.name})", err=True)
+        if opts["as_json"]:
+            click.echo(report.dumps({"study": rec.name, "status": "running"}))
+        sys.exit(0)
+    return follow(store, rec.name, progress=progress)
 
 
 def _merge_study_file(cctx: click.Context, opts: dict) -> dict:

@@ -116,6 +116,9 @@ def _masked(url: URL) -> str:
     return url.render_as_string(hide_password=True)
 
 
+_LOCK_NAMESPACE = 0x4146  # "AF": advisory-lock namespace of autofit's study locks
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     """WAL lets readers run beside one writer; the busy timeout makes writers wait, not fail."""
     cursor = dbapi_connection.cursor()
@@ -277,6 +280,7 @@ class Store:
         self._engine = self._create_engine()
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._optuna: Any = None
+        self._optuna_key: tuple = (None, None)
         if check_schema:
             try:
                 self._check_schema()
@@ -436,21 +440,58 @@ class Store:
             return schema.diff(conn)
 
     # -- Optuna ---------------------------------------------------------------------------
-    def optuna_storage(self) -> "optuna.storages.RDBStorage":
-        """Optuna's RDB storage on this database; its tables sit beside autofit's."""
-        if self._optuna is None:
+    def optuna_storage(self, heartbeat_interval: int | None = None,
+                       grace_period: int | None = None) -> "optuna.storages.RDBStorage":
+        """Optuna's RDB storage on this database; its tables sit beside autofit's.
+
+        With ``heartbeat_interval`` each running trial pings the database, and a trial
+        whose worker died is marked failed after ``grace_period`` seconds (workers).
+        """
+        key = (heartbeat_interval, grace_period)
+        if self._optuna is None or self._optuna_key != key:
             if _is_memory(self._url):
                 raise StoreError("an in-memory SQLite database cannot be shared with Optuna; use a file (--db PATH)")
             import optuna
 
+            if self._optuna is not None:
+                self._optuna.engine.dispose()
             kwargs: dict[str, Any] = (
                 {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
             )
             try:
-                self._optuna = optuna.storages.RDBStorage(self.url, engine_kwargs=kwargs)
+                self._optuna = optuna.storages.RDBStorage(
+                    self.url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                )
             except SQLAlchemyError as exc:
                 raise self._error(exc) from exc
+            self._optuna_key = key
         return self._optuna
+
+    @contextmanager
+    def study_lock(self, study_id: int) -> Iterator[None]:
+        """A lock every worker of a study takes to claim its next trial (check budget, ask).
+
+        PostgreSQL: a session advisory lock (any host). SQLite: an ``flock`` on a file
+        beside the database (one machine) — SQLite's own write lock cannot serve, since
+        Optuna writes the new trial through another connection while we would hold it.
+        """
+        if self.dialect == "postgresql":
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql(f"SELECT pg_advisory_lock({_LOCK_NAMESPACE}, {int(study_id)})")
+                try:
+                    yield
+                finally:
+                    conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_LOCK_NAMESPACE}, {int(study_id)})")
+            return
+        import fcntl
+
+        path = f"{self._url.database}.study-{int(study_id)}.lock"
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     # -- studies --------------------------------------------------------------------------
     def create_study(

@@ -1,0 +1,68 @@
+"""Local worker processes for ``autofit search --parallel K``.
+
+Each worker is a real ``autofit worker`` process joining the study through the
+database, exactly as on another node; on a multi-GPU machine each gets its own disjoint
+GPU subset through ``CUDA_VISIBLE_DEVICES``, sized by the plans' world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from typing import Callable, Iterator
+
+from autofit.errors import AutofitError
+
+
+def gpu_subsets(k: int, world_size: int, n_devices: int) -> list[str | None]:
+    """``k`` disjoint device lists of ``world_size`` GPUs each (None: no GPUs to split)."""
+    if n_devices == 0:
+        return [None] * k
+    if k * world_size > n_devices:
+        raise AutofitError(
+            f"--parallel {k} needs {k} × {world_size} = {k * world_size} GPUs, this machine has {n_devices}"
+        )
+    return [",".join(str(d) for d in range(i * world_size, (i + 1) * world_size)) for i in range(k)]
+
+
+def _local_cuda_devices(request) -> int:
+    if request.backend != "measured" or request.ctx.cluster.gpu.kind != "cuda":
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA means nothing to split
+        return 0
+
+
+@contextlib.contextmanager
+def spawn_local_workers(study: str, db_url: str, k: int, request) -> Iterator[Callable[[], bool]]:
+    """Start ``k`` workers; yield "is any still alive"; on exit wait for them (terminate on error)."""
+    subsets = gpu_subsets(k, request.ctx.cluster.world_size, _local_cuda_devices(request))
+    procs = []
+    for subset in subsets:
+        env = {**os.environ, "AUTOFIT_DB": db_url}  # the URL stays out of argv (ps shows argv)
+        if subset is not None:
+            env["CUDA_VISIBLE_DEVICES"] = subset
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
+            env=env, start_new_session=True,
+        ))
+    ok = False
+    try:
+        yield lambda: any(p.poll() is None for p in procs)
+        ok = True
+    finally:
+        for p in procs:
+            if not ok and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=None if ok else 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -1,0 +1,112 @@
+"""Many workers, one study: exact budgets, nothing lost or run twice (real processes, real databases)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+from click.testing import CliRunner
+
+from autofit.cli import cli
+from autofit.request import build_context
+from autofit.search import SearchRequest, prepare_search
+from autofit.space import Allowed
+from autofit.store import Store
+from autofit.workers import gpu_subsets
+
+
+def make_study(db_url, trials):
+    ctx = build_context("gpt2", "1xA10", seq_len=1024, global_batch=8)
+    req = SearchRequest(ctx=ctx, allowed=Allowed(), backend="analytic", trials=trials)
+    with Store(db_url) as store:
+        rec, finished = prepare_search(req, store)
+    assert not finished
+    return rec
+
+
+def start_worker(db_url, study):
+    env = {**os.environ, "AUTOFIT_DB": db_url}
+    return subprocess.Popen([sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def check_exact_budget(db_url, rec, budget):
+    with Store(db_url) as store:
+        study = optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage())
+        states = [t.state.name for t in study.trials]
+        assert states.count("COMPLETE") + states.count("PRUNED") == budget
+        assert "RUNNING" not in states and "WAITING" not in states
+        rows = store.trials(rec.id)
+        ids = [r.optuna_trial_id for r in rows]
+        assert None not in ids and len(set(ids)) == len(ids)  # every row linked, none twice
+        by_id = {t._trial_id: t for t in study.trials}
+        assert all(i in by_id for i in ids)
+        # every finished trial has its row, unless it proposed a plan another trial had evaluated
+        for t in study.trials:
+            if t.state.name == "COMPLETE" and t._trial_id not in ids:
+                assert t.user_attrs.get("duplicate")
+        assert len({r.plan_id for r in rows}) == len(rows)
+        assert store.get_study(rec.id).status.value == "finished"
+        return rows
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_three_workers_on_postgresql_split_the_budget_exactly(pg_url):
+    rec = make_study(pg_url, trials=15)
+    procs = [start_worker(pg_url, rec.name) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    check_exact_budget(pg_url, rec, 15)
+
+
+@pytest.mark.slow
+def test_two_workers_on_sqlite(tmp_path):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    rec = make_study(url, trials=10)
+    procs = [start_worker(url, rec.name) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    check_exact_budget(url, rec, 10)
+
+
+@pytest.mark.slow
+def test_parallel_local_workers_from_the_cli(tmp_path):
+    db = f"sqlite:///{tmp_path / 'p.db'}"
+    r = CliRunner().invoke(cli, ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024",
+                                 "--global-batch", "8", "--backend", "analytic", "--trials", "8", "--parallel", "2",
+                                 "--db", db, "--out", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["best"]["fits"]
+    with Store(db) as store:
+        rec = store.get_study(data["study"])
+    check_exact_budget(db, rec, 8)
+
+
+def test_workers_zero_creates_the_study_and_a_worker_finishes_it(tmp_path):
+    db = f"sqlite:///{tmp_path / 'w.db'}"
+    args = ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8",
+            "--backend", "analytic", "--trials", "5", "--db", db, "--out", "", "--json"]
+    r = CliRunner().invoke(cli, [*args, "--workers", "0"])
+    assert r.exit_code == 0, r.output
+    study = json.loads(r.stdout)["study"]
+    assert "autofit worker --study" in r.stderr
+    w = CliRunner().invoke(cli, ["worker", "--study", study, "--db", db, "--json"])
+    assert w.exit_code == 0, w.output
+    assert json.loads(w.stdout)["best"]["fits"]
+    with Store(db) as store:
+        check_exact_budget(db, store.get_study(study), 5)
+
+
+def test_gpu_subsets_are_disjoint_and_sized():
+    assert gpu_subsets(4, 2, 8) == ["0,1", "2,3", "4,5", "6,7"]
+    assert gpu_subsets(3, 1, 0) == [None, None, None]
+    from autofit.errors import AutofitError
+
+    with pytest.raises(AutofitError, match="needs 3 × 4 = 12 GPUs"):
+        gpu_subsets(3, 4, 8)
