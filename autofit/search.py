@@ -205,7 +205,7 @@ def request_from_study(rec) -> SearchRequest:
 
 
 def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
-                   study_name: str | None = None, progress: Progress | None = None):
+                   study_name: str | None = None, progress: Progress | None = None, warm: bool = True):
     """The study to work on: an identical finished one (answer from the store), the one to
     resume, or a new one with the screened candidates enqueued. Returns ``(record, finished)``."""
     import optuna
@@ -232,12 +232,59 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
                                 direction="maximize", load_if_exists=True)
     if not study.trials:
         space = SearchSpace(request.ctx, request.allowed)
+        warm = warm_start(request, store, space, exclude=study_rec.id) if warm else []
+        if warm:
+            progress("warm-start", {"n": len(warm)})
         progress("screening", {"space": space})
         scored = screen(space)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
-        for params in candidates(scored, min(ENQUEUE_MAX, max(1, request.trials // 2))):
+        k = min(ENQUEUE_MAX, max(1, request.trials // 2))
+        for params in (warm + candidates(scored, k))[:max(k, len(warm))]:
             study.enqueue_trial(params, skip_if_exists=True)
     return study_rec, False
+
+
+WARM_START_MAX = 3
+
+
+def warm_start(request: SearchRequest, store, space: SearchSpace, exclude: int | None = None) -> list[dict[str, Any]]:
+    """Params of the best plans stored for this model (or the nearest of its family) on this GPU type.
+
+    Each past winner is mapped into the new space: same techniques, the micro-batch
+    nearest to its old one that divides the new per-GPU batch; plans the new request
+    cannot run are skipped. They are re-evaluated under the new workload like any trial.
+    """
+    ctx = request.ctx
+    past = [s for s in store.list_studies(gpu=ctx.cluster.gpu.name) if s.best is not None and s.study.id != exclude]
+    same = [s for s in past if s.study.model_fingerprint == ctx.model.fingerprint]
+    if not same:  # the nearest model of the same family and size
+        kin = [s for s in past if s.study.model_spec.get("model_type") == ctx.model.model_type]
+        if kin:
+            nearest = min(kin, key=lambda s: abs(int(s.study.model_spec.get("n_params", 0)) - ctx.model.n_params))
+            same = [s for s in kin if s.study.model_fingerprint == nearest.study.model_fingerprint]
+    wanted = sorted(same, key=lambda s: -(s.best.tokens_per_sec or 0))
+    index: dict[tuple, list[tuple[dict[str, Any], Plan]]] = {}
+    for params, plan in space.enumerate_params():
+        index.setdefault(_technique_key(plan), []).append((params, plan))
+    out: list[dict[str, Any]] = []
+    for s in wanted:
+        old = s.best.result().plan
+        options = index.get(_technique_key(old))
+        if not options:
+            continue
+        params, _ = min(options, key=lambda pp: abs(pp[1].micro_batch - old.micro_batch))
+        if params not in out:
+            out.append(params)
+        if len(out) >= WARM_START_MAX:
+            break
+    return out
+
+
+def _technique_key(plan: Plan) -> tuple:
+    d = plan.as_dict()
+    d.pop("micro_batch")
+    d.pop("grad_accum")
+    return tuple(sorted(d.items()))
 
 
 class _Claim:
@@ -305,14 +352,14 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
 
 def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
                study_name: str | None = None, progress: Progress | None = None,
-               workers: int = 1) -> SearchOutcome:
+               workers: int = 1, warm: bool = True) -> SearchOutcome:
     """Run (or answer from the store, or resume) the study for ``request``.
 
     ``workers=0`` only creates the study (screened and enqueued) for ``autofit worker``s.
     """
     t0 = time.perf_counter()
     study_rec, finished = prepare_search(request, store, fresh=fresh, resume=resume, study_name=study_name,
-                                         progress=progress)
+                                         progress=progress, warm=warm)
     if finished:
         return _outcome(request, store, study_rec, from_store=True, elapsed=time.perf_counter() - t0)
     if workers <= 0:

@@ -81,3 +81,23 @@ def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
     states = [t.state.name for t in study.trials]
     assert states.count("COMPLETE") + states.count("PRUNED") == 10  # the budget, exactly
     assert states.count("FAIL") == 1  # the trial Ctrl-C stopped
+
+
+def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
+    from autofit.search import warm_start
+
+    first = run_search(request(global_batch=8), store)
+    new = request(global_batch=12)  # a new workload: micro-batches must divide 12 now
+    space = SearchSpace(new.ctx, new.allowed)
+    params = warm_start(new, store, space)
+    assert params
+    plan = space.suggest(__import__("optuna").trial.FixedTrial(params[0]))
+    old = first.best.plan
+    assert plan.method == old.method and plan.attention == old.attention and plan.sharding == old.sharding
+    assert 12 % plan.micro_batch == 0
+    # a model of the same family with another size borrows its nearest relative's winners
+    kin = SearchRequest(ctx=build_context("gpt2-xl", "1xA10", seq_len=1024, global_batch=8), backend="analytic")
+    assert warm_start(kin, store, SearchSpace(kin.ctx, kin.allowed))
+    # another GPU type starts cold
+    cold = SearchRequest(ctx=build_context("gpt2", "1xL4", seq_len=1024, global_batch=8), backend="analytic")
+    assert warm_start(cold, store, SearchSpace(cold.ctx, cold.allowed)) == []
