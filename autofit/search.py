@@ -130,6 +130,7 @@ class _Objective:
     def __init__(self, request: SearchRequest, space: SearchSpace, store, study_id: int, progress: Progress | None):
         self.request, self.space, self.store, self.study_id = request, space, store, study_id
         self.claim: _Claim | None = None  # released as soon as the trial exists
+        self.current: int | None = None  # number of the trial being evaluated
         self.progress = progress or (lambda event, data: None)
         self.screen = AnalyticEvaluator()
         self.evaluator = None if request.backend == "analytic" else get_evaluator(request.backend)
@@ -139,6 +140,7 @@ class _Objective:
 
         if self.claim is not None:
             self.claim.release()
+        self.current = trial.number
         ctx = self.request.ctx
         plan = self.space.suggest(trial)
         trial.set_user_attr("plan_id", plan.plan_id)
@@ -230,6 +232,11 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=study_rec.optuna_study_name, storage=store.optuna_storage(),
                                 direction="maximize", load_if_exists=True)
+    if resume:  # trials left running by the process that died: nobody will finish them
+        from optuna.trial import TrialState
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(t.number, state=TrialState.FAIL)
     if not study.trials:
         space = SearchSpace(request.ctx, request.allowed)
         warm = warm_start(request, store, space, exclude=study_rec.id) if warm else []
@@ -328,26 +335,72 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
     )
     objective = _Objective(request, space, store, study_rec.id, progress)
     deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+    outage = _Outage(store)
     try:
         while deadline is None or time.monotonic() < deadline:
-            with _Claim(store.study_lock(study_rec.id)) as claim:
-                if heartbeat[0]:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                        optuna.storages.fail_stale_trials(study)
-                states = [t.state.name for t in study.get_trials(deepcopy=False)]
-                done = sum(s in _OK_STATES for s in states)
-                if done >= request.trials:
-                    return False
-                if done + states.count("RUNNING") < request.trials:
-                    objective.claim = claim
-                    remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
-                    study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
-                    continue
+            try:
+                with _Claim(store.study_lock(study_rec.id)) as claim:
+                    if heartbeat[0]:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                            optuna.storages.fail_stale_trials(study)
+                    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+                    done = sum(s in _OK_STATES for s in states)
+                    if done >= request.trials:
+                        return False
+                    if done + states.count("RUNNING") < request.trials:
+                        objective.claim = claim
+                        remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
+                        study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
+                        objective.current = None
+                        outage.clear()
+                        continue
+            except Exception as exc:  # noqa: BLE001 - only database outages are retried
+                outage.wait_or_raise(exc)
+                if objective.current is not None and outage.fail_trial(study, objective.current):
+                    objective.current = None
+                continue
             time.sleep(poll_s)  # the rest of the budget is running in other workers
     except KeyboardInterrupt:
         return True
     return False
+
+
+class _Outage:
+    """Backoff while the database is away (PostgreSQL restarting); one clear error after too long."""
+
+    def __init__(self, store):
+        self.store = store
+        self.clear()
+
+    def clear(self) -> None:
+        self.delay, self.waited = 0.5, 0.0
+
+    def wait_or_raise(self, exc: BaseException) -> None:
+        from autofit.store.store import RETRY_TOTAL_S, is_transient
+
+        if not is_transient(exc):
+            raise exc
+        if self.waited >= RETRY_TOTAL_S:
+            raise AutofitError(
+                f"the database ({self.store.masked_url}) is unreachable after {self.waited:.0f} s of retries; "
+                "every finished trial is stored — resume with `autofit search ... --resume`"
+            ) from exc
+        time.sleep(self.delay)
+        self.waited += self.delay
+        self.delay = min(self.delay * 2, 8.0)
+
+    @staticmethod
+    def fail_trial(study, number: int) -> bool:
+        """Our trial whose result could not be told: mark it failed so its slot is claimed again."""
+        from optuna.trial import TrialState
+
+        try:
+            if study.trials[number].state is TrialState.RUNNING:
+                study.tell(number, state=TrialState.FAIL)
+            return True
+        except Exception:  # noqa: BLE001 - still unreachable: try again after the next wait
+            return False
 
 
 def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,

@@ -19,6 +19,7 @@ import platform
 import re
 import secrets
 import shlex
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
@@ -114,6 +115,51 @@ def _ancestors(path: str) -> list[str]:
 
 def _masked(url: URL) -> str:
     return url.render_as_string(hide_password=True)
+
+
+# How long a store call keeps retrying a database that went away (PostgreSQL restarting,
+# a network blip) before it gives up with one clear error.
+RETRY_TOTAL_S = float(os.environ.get("AUTOFIT_DB_RETRY_S", "30"))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A lost or refused connection, as opposed to a query the database rejects."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    while exc is not None:
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            return True
+        module = type(exc.orig if isinstance(exc, DBAPIError) else exc).__module__
+        if isinstance(exc, OperationalError) or type(exc).__name__ in ("OperationalError", "InterfaceError"):
+            if "sqlite" in module:  # a local file does not go away; only lock contention passes
+                return any(w in str(exc).lower() for w in ("locked", "busy"))
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def retrying(fn):
+    """Retry a whole store call (one transaction) on transient errors, with exponential backoff."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        delay, waited = 0.5, 0.0
+        while True:
+            try:
+                return fn(self, *args, **kwargs)
+            except (StoreError, SQLAlchemyError) as exc:
+                if not is_transient(exc) or waited >= RETRY_TOTAL_S:
+                    if is_transient(exc):
+                        raise StoreError(
+                            f"the database ({self.masked_url}) is unreachable after {waited:.0f} s of retries: "
+                            f"{str(exc).splitlines()[0][:200]}; what was stored is kept — resume with --resume"
+                        ) from exc
+                    raise
+                time.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 8.0)
+
+    return wrapper
 
 
 _LOCK_NAMESPACE = 0x4146  # "AF": advisory-lock namespace of autofit's study locks
@@ -494,6 +540,7 @@ class Store:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     # -- studies --------------------------------------------------------------------------
+    @retrying
     def create_study(
         self,
         ctx: EvalContext,
@@ -565,6 +612,7 @@ class Store:
             s.flush()
             return _study_record(row)
 
+    @retrying
     def finish_study(self, study_id: int, status: StudyStatus | str = StudyStatus.FINISHED) -> StudyRecord:
         """Close a study as finished, interrupted or failed."""
         status = StudyStatus(status)
@@ -572,10 +620,12 @@ class Store:
             raise ValueError("finish_study takes finished, interrupted or failed; use resume_study to reopen")
         return self._set_status(study_id, status)
 
+    @retrying
     def resume_study(self, study_id: int) -> StudyRecord:
         """Mark a study running again (``autofit search --resume``)."""
         return self._set_status(study_id, StudyStatus.RUNNING)
 
+    @retrying
     def get_study(self, name_or_id: str | int) -> StudyRecord:
         with self.session_scope() as s:
             if isinstance(name_or_id, int):
@@ -589,6 +639,7 @@ class Store:
                 raise StoreError(f"no study {what}; see `autofit history`")
             return _study_record(row)
 
+    @retrying
     def find_finished_study(self, request_key: str) -> StudyRecord | None:
         """The latest finished study of an identical request, to answer from the store."""
         with self.session_scope() as s:
@@ -600,6 +651,7 @@ class Store:
             ).one_or_none()
             return _study_record(row) if row is not None else None
 
+    @retrying
     def find_resumable_study(self, request_key: str) -> StudyRecord | None:
         """The latest interrupted (or abandoned running) study of an identical request."""
         with self.session_scope() as s:
@@ -612,6 +664,7 @@ class Store:
             ).one_or_none()
             return _study_record(row) if row is not None else None
 
+    @retrying
     def list_studies(self, model: str | None = None, gpu: str | None = None) -> list[StudySummary]:
         """Studies, newest first, each with its best fitting trial and per-status counts.
 
@@ -646,6 +699,7 @@ class Store:
             return [StudySummary(_study_record(r), best.get(r.id), counts.get(r.id, {})) for r in studies]
 
     # -- trials ---------------------------------------------------------------------------
+    @retrying
     def record_trial(
         self,
         study_id: int,
@@ -684,6 +738,7 @@ class Store:
             s.flush()
             return _trial_record(row)
 
+    @retrying
     def trials(self, study_id: int) -> list[TrialRecord]:
         """Every evaluation of a study, in trial-number order."""
         with self.session_scope() as s:
@@ -693,6 +748,7 @@ class Store:
             ).all()
             return [_trial_record(r) for r in rows]
 
+    @retrying
     def best_trial(
         self,
         model_fingerprint: str,
