@@ -30,3 +30,7 @@ class StoreError(AutofitError):
 
 class ExportError(AutofitError):
     """An exported file cannot be written."""
+
+
+class ReportError(AutofitError):
+    """A report or its figures cannot be written."""

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Iterable
 
 from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 from autofit.evaluators.base import COMPONENTS, EvalContext, TrialResult
 from autofit.specs import GPUSpec, ModelSpec
@@ -112,39 +116,172 @@ def models_table(models: Iterable[ModelSpec]) -> Table:
 
 
 # -- search ---------------------------------------------------------------------------------
-def result_line(r: TrialResult) -> str:
-    mem = f"{gib(r.memory.device_total)} GiB" if r.memory else "-"
-    tps = f"{r.tokens_per_sec:,.0f} tok/s" if r.throughput and r.tokens_per_sec else ""
-    why = f" — {r.reason}" if r.reason and not r.fits else ""
-    return f"{r.status.value:7s} {mem:>11s} {tps:>14s}  {r.plan.summary()}{why}"
+STATUS_STYLE = {"fits": "green", "oom": "red", "pruned": "yellow", "failed": "magenta", "timeout": "magenta"}
+
+
+def status_text(status: str) -> Text:
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def memory_of_capacity(r: TrialResult) -> str:
+    """``1.85/22.50 GiB``: the plan's device_total against the GPU's capacity."""
+    if r.memory is None:
+        return "-"
+    if not r.capacity_bytes:
+        return f"{gib(r.memory.device_total)} GiB"
+    return f"{gib(r.memory.device_total)}/{gib(r.capacity_bytes)} GiB"
+
+
+def tokens(r: TrialResult) -> str:
+    return f"{r.tokens_per_sec:,.0f} tok/s" if r.throughput and r.tokens_per_sec else "-"
+
+
+def why(r: TrialResult) -> str:
+    """Why a plan does not count: the evaluator's one-line reason (empty for a plan that fits)."""
+    return "" if r.fits else (r.reason or r.status.value)
+
+
+def trial_line(number: int, r: TrialResult) -> Text:
+    """One finished trial: number, status, memory against capacity, tokens/s, plan, and why it lost."""
+    line = Text(f"#{number:<4d}")
+    line.append_text(status_text(f"{r.status.value:7s}"))
+    line.append(f" {memory_of_capacity(r):>17s} {tokens(r):>16s}  {r.plan.summary()}")
+    if why(r):
+        line.append(f"  — {why(r)}", style="dim")
+    return line
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 class SearchProgress:
-    """Plain progress lines on stderr (one per finished trial, plus the best so far)."""
+    """The progress of ``run_search`` on a console (stderr).
 
-    def __init__(self, console: Console, request) -> None:
+    On a terminal: a live display (rich ``Live``) at the bottom — trial count against the
+    budget, elapsed time, the plan being evaluated, the best so far and the tally — with one
+    permanent line per finished trial printed above it. Elsewhere (a pipe, a log file, CI):
+    plain lines only, never cursor movement. Use it as a context manager around the search
+    so the live display is closed, and the cursor restored, however the search ends (Ctrl-C
+    included).
+    """
+
+    def __init__(self, console: Console, request, *, live: bool | None = None) -> None:
         self.console = console
         self.request = request
+        self.live = console.is_terminal and not console.is_dumb_terminal if live is None else live
+        self._t0 = time.monotonic()
+        self._live: Live | None = None
+        self.study = ""
+        self.budget = request.trials
+        self.started = 0  # Optuna trial numbers started so far (previous runs of a resumed study included)
+        self.current: tuple[int, Any] | None = None  # (number, plan) being evaluated
+        self.phase = "starting"
         self.best: TrialResult | None = None
+        self.best_number: int | None = None
+        self.tally: dict[str, int] = {}
 
+    # -- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> "SearchProgress":
+        self._t0 = time.monotonic()
+        if self.live:  # stray prints to stdout/stderr land above the panel, not through it
+            self._live = Live(console=self.console, get_renderable=self.panel, refresh_per_second=4, transient=True)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._live is not None:
+            live, self._live = self._live, None
+            live.stop()  # also shows the cursor again
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    # -- what the live display shows --------------------------------------------------------------
+    def panel(self) -> Table:
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        count = Text(f"trial {min(self.started, self.budget)}/{self.budget}", style="bold")
+        count.append(f" · {_clock(self.elapsed)} elapsed · {self.request.backend}", style="")
+        grid.add_row(ProgressBar(total=max(self.budget, 1), completed=min(self.started, self.budget), width=30), count)
+        if self.current is not None and self.phase == "trial":
+            number, plan = self.current
+            grid.add_row(Text("evaluating", style="cyan"), Text(f"#{number} {plan.summary()}"))
+        else:
+            grid.add_row(Text(self.phase, style="cyan"), Text(""))
+        grid.add_row(Text("best so far", style="bold green"), self._best_text())
+        grid.add_row(Text("tally"), Text(self._tally_text() or "-"))
+        return grid
+
+    def _best_text(self) -> Text:
+        if self.best is None:
+            return Text("nothing fits yet", style="dim")
+        b = self.best
+        where = f"#{self.best_number} " if self.best_number is not None else ""
+        return Text(f"{where}{b.tokens_per_sec:,.0f} tokens/s · {memory_of_capacity(b)} · {b.plan.summary()}")
+
+    def _tally_text(self) -> str:
+        return " · ".join(f"{n} {s}" for s, n in sorted(self.tally.items()))
+
+    def _print(self, renderable: Any) -> None:
+        # one permanent line; on a pipe never wrapped, so each trial stays one line in a log
+        self.console.print(renderable, highlight=False, soft_wrap=not self.live, no_wrap=self.live,
+                           overflow="ellipsis" if self.live else None)
+
+    # -- the search's events ------------------------------------------------------------------------
     def __call__(self, event: str, data: dict[str, Any]) -> None:
-        c = self.console
-        if event == "screening":
-            space = data["space"]
-            c.print(f"screening the space of {self.request.ctx.model.name} on {self.request.ctx.cluster.label} "
-                    f"with the analytic model …")
+        ctx = self.request.ctx
+        if event == "start":
+            self.study, self.budget, self.started = data["study"], data["budget"], data["done"]
+            if data.get("best") is not None:
+                self.best = data["best"]
+            resumed = f", resuming after {data['done']} trials" if data["done"] else ""
+            self._print(Text(f"study {self.study}: {ctx.model.name} on {ctx.cluster.label}, seq "
+                             f"{ctx.workload.seq_len}, global batch {ctx.workload.global_batch} · "
+                             f"{self.request.backend}, budget {self.budget} trials{resumed}"))
+        elif event == "warm-start":
+            self._print(Text(f"warm start: the best {data['n']} stored plan(s) of this model on "
+                             f"{ctx.cluster.gpu.name} go first"))
+        elif event == "screening":
+            self.phase = "screening"
+            self._print(Text("screening the whole space with the analytic model …"))
         elif event == "screened":
-            c.print(f"  {data['n']} plans, {data['fits']} predicted to fit; evaluating with "
-                    f"[bold]{self.request.backend}[/bold], budget {self.request.trials} trials")
-        elif event == "trial-done":
+            self.phase = "searching"
+            self._print(Text(f"  {data['n']:,} plans, {data['fits']:,} predicted to fit; evaluating the most "
+                             f"promising with {self.request.backend}"))
+        elif event == "trial-start":
+            self.phase = "trial"
+            self.current = (data["number"], data["plan"])
+            self.started = max(self.started, data["number"] + 1)
+        elif event in ("trial-done", "trial-duplicate"):
+            self.phase = "searching"
             r: TrialResult = data["result"]
+            number = data["number"]
+            self.started = max(self.started, number + 1)  # followers see only finished trials
+            if event == "trial-duplicate":
+                self._print(Text(f"#{number:<4d}(proposed again: {r.plan.summary()}; already evaluated)", style="dim"))
+                return
+            self.tally[r.status.value] = self.tally.get(r.status.value, 0) + 1
+            line = Text("" if self.live else
+                        f"[{min(self.started, self.budget):>3d}/{self.budget} {_clock(self.elapsed):>5s}] ")
+            line.append_text(trial_line(number, r))
+            self._print(line)
             if r.fits and (self.best is None or r.tokens_per_sec > self.best.tokens_per_sec):
-                self.best = r
-            c.print(f"  #{data['number']:<3d} {result_line(r)}", highlight=False)
+                self.best, self.best_number = r, number
+                if not self.live:
+                    self._print(Text(f"      best so far: {r.tokens_per_sec:,.0f} tokens/s · "
+                                     f"{memory_of_capacity(r)} · {r.plan.summary()}", style="green"))
 
 
-def outcome_dict(outcome, exported: list) -> dict[str, Any]:
-    return {
+def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
+    data = {
         "study": outcome.study.name,
         "from_store": outcome.from_store,
         "interrupted": outcome.interrupted,
@@ -156,36 +293,94 @@ def outcome_dict(outcome, exported: list) -> dict[str, Any]:
         "advice": list(outcome.advice),
         "exported": [str(p) for p in exported],
     }
+    if standing is not None:
+        data["runners_up"] = [r.as_dict() for r in standing.runners_up()]
+        data["losses"] = [loss.as_dict() for loss in standing.losses]
+    return data
 
 
-def print_outcome(console: Console, outcome, request, exported: list, db_url: str) -> None:
-    ctx = request.ctx
+def winner_line(best: TrialResult, ctx: EvalContext) -> str:
+    t, m = best.throughput, best.memory
+    return (f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
+            f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)}) · "
+            f"{m.bottleneck}")
+
+
+def methods_table(standing, allowed_methods: Iterable[str]) -> Table:
+    best = standing.best
+    table = Table(title="best plan per method", show_header=True, header_style="bold", title_justify="left")
+    for col in ("method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"):
+        table.add_column(col, justify="right" if col in ("device GiB", "tokens/s", "vs winner") else "left")
+    for method, r in standing.best_per_method.items():
+        table.add_row(method, r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
+                      f"{standing.speed_vs_best(r):.0%}" if best else "", r.memory.bottleneck)
+    for method in allowed_methods:
+        if method not in standing.best_per_method:
+            table.add_row(method, "[dim]nothing of this method fits[/dim]", "", "", "", "")
+    return table
+
+
+def runners_up_table(standing, k: int = 3) -> Table:
+    table = Table(title="runners-up", show_header=True, header_style="bold", title_justify="left")
+    for col in ("rank", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"):
+        table.add_column(col, justify="right" if col in ("rank", "device GiB", "tokens/s", "vs winner") else "left")
+    for i, r in enumerate(standing.runners_up(k), start=2):
+        table.add_row(f"#{i}", r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
+                      f"{standing.speed_vs_best(r):.1%}", r.memory.bottleneck)
+    return table
+
+
+def loss_text(loss, standing) -> tuple[str, str]:
+    """(most common reason, the plan closest to winning) of one Loss, for tables."""
+    reason = f"{loss.reason} ({loss.reason_count} of {loss.count})"
+    if loss.nearest is None:
+        return reason, ""
+    r = loss.nearest
+    if loss.status == "fits":
+        ratio = standing.speed_vs_best(r)
+        return reason, f"{r.plan.summary()} at {ratio:.1%} of the winner's tokens/s" if ratio else r.plan.summary()
+    return reason, f"{r.plan.summary()}, {gib(loss.over_bytes)} GiB over the budget"
+
+
+def losses_table(standing) -> Table:
+    table = Table(title="why the others lost", show_header=True, header_style="bold", title_justify="left")
+    for col in ("status", "plans", "most common reason", "closest to winning"):
+        table.add_column(col, justify="right" if col == "plans" else "left")
+    for loss in standing.losses:
+        reason, nearest = loss_text(loss, standing)
+        table.add_row(status_text(loss.status), str(loss.count), reason, nearest)
+    return table
+
+
+def print_answer(console: Console, standing, allowed_methods: Iterable[str], advice: Iterable[str] = ()) -> None:
+    """The winner, the best of each method, the runners-up and why the others lost."""
+    ctx = standing.ctx
+    best = standing.best
+    if best is None:
+        console.print(f"[red]no plan fits[/red] {ctx.model.name} on {ctx.cluster.label} at seq {ctx.workload.seq_len}.")
+        for line in advice:
+            console.print(f"  · {line}")
+        if standing.losses:
+            console.print(losses_table(standing))
+        return
+    console.print(f"\n[bold green]winner[/bold green]: [bold]{best.plan.summary()}[/bold]   "
+                  f"[dim](plan {best.plan.plan_id}, {best.evaluator})[/dim]")
+    console.print(f"  {winner_line(best, ctx)}", highlight=False)
+    console.print(anatomy_table(best, title="memory anatomy of the winner, per GPU"))
+    console.print(methods_table(standing, allowed_methods))
+    if standing.runners_up():
+        console.print(runners_up_table(standing))
+    if standing.losses:
+        console.print(losses_table(standing))
+
+
+def print_outcome(console: Console, outcome, standing, request, exported: list, db_url: str) -> None:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(outcome.counts().items()))
     source = "answered from the store" if outcome.from_store else f"{outcome.elapsed_s:.1f} s"
     console.print(f"\nstudy [bold]{outcome.study.name}[/bold] ({source}; {counts}) · {request.backend} · db {db_url}")
     if outcome.interrupted:
         console.print("[yellow]interrupted[/yellow]: finished trials are stored; continue with --resume")
-    if outcome.best is None:
-        console.print(f"[red]no plan fits[/red] {ctx.model.name} on {ctx.cluster.label} at seq {ctx.workload.seq_len}.")
-        for line in outcome.advice:
-            console.print(f"  · {line}")
-        return
-    best = outcome.best
-    console.print(f"\n[bold green]winner[/bold green]: {best.plan.summary()}")
-    console.print(anatomy_table(best))
-    t = best.throughput
-    console.print(f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
-                  f"{gib(best.memory.device_total)} of {gib(ctx.capacity_bytes)} GiB · {best.memory.bottleneck}")
-    table = Table(title="best plan per method", show_header=True, header_style="bold")
-    for col in ("method", "plan", "GiB", "tokens/s", "vs winner"):
-        table.add_column(col, justify="right" if col in ("GiB", "tokens/s", "vs winner") else "left")
-    for method, r in outcome.best_per_method.items():
-        table.add_row(method, r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-                      f"{r.tokens_per_sec / best.tokens_per_sec:.0%}")
-    for method in ("full", "lora", "qlora"):
-        if method not in outcome.best_per_method and method in [m.value for m in request.allowed.methods]:
-            table.add_row(method, "[dim]nothing of this method fits[/dim]", "", "", "")
-    console.print(table)
+    print_answer(console, standing, [m.value for m in request.allowed.methods], outcome.advice)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")
 
@@ -211,17 +406,27 @@ def study_header(st) -> str:
             f"created {st.created_at:%Y-%m-%d %H:%M}")
 
 
-def trials_table(trials) -> Table:
+def trials_table(trials, best: TrialResult | None = None) -> Table:
+    """Every evaluation of a study; the winner's row is marked ★."""
     table = Table(show_header=True, header_style="bold")
-    for col in ("#", "status", "evaluator", "plan", "peak_alloc GiB", "device GiB", "tokens/s", "bottleneck", "reason"):
-        table.add_column(col, justify="right" if "GiB" in col or col in ("#", "tokens/s") else "left")
+    for col in ("#", "status", "evaluator", "plan", "device GiB", "of capacity", "peak_alloc GiB", "tokens/s",
+                "s/step", "bottleneck", "why it lost"):
+        table.add_column(col, justify="right" if col in ("#", "device GiB", "of capacity", "peak_alloc GiB",
+                                                         "tokens/s", "s/step") else "left")
     for t in trials:
         r = t.result()
         m = r.memory
+        winner = best is not None and r.plan.plan_id == best.plan.plan_id and r.evaluator == best.evaluator
+        reason = why(r)
         table.add_row(
-            str(t.number), r.status.value, r.evaluator, r.plan.summary(),
-            gib(m.peak_allocated) if m else "", gib(m.device_total) if m else "",
-            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "", m.bottleneck if m else "",
-            (r.reason[:60] + "…") if len(r.reason) > 60 else r.reason,
+            f"★{t.number}" if winner else str(t.number), status_text(r.status.value), r.evaluator, r.plan.summary(),
+            gib(m.device_total) if m else "",
+            f"{m.device_total / r.capacity_bytes:.0%}" if m and r.capacity_bytes else "",
+            gib(m.peak_allocated) if m else "",
+            f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "",
+            f"{r.throughput.step_time_s:.2f}" if r.throughput else "",
+            m.bottleneck if m else "",
+            (reason[:70] + "…") if len(reason) > 70 else reason,
+            style="bold" if winner else None,
         )
     return table

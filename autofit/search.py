@@ -15,6 +15,11 @@ How a study runs (``run_search``):
    stops the ones that cannot win.
 4. Every evaluation is a row in the store; the answer is read back from the store.
 
+Progress events (``progress(event, data)``): ``start`` {study, budget, done, best},
+``warm-start`` {n}, ``screening`` {space}, ``screened`` {n, fits}, ``trial-start`` {number,
+plan}, ``trial-done`` {number, result}, ``trial-duplicate`` {number, result} (the sampler
+proposed a plan already evaluated; nothing new is stored).
+
 Ctrl-C stops between trials' evaluations cleanly: finished trials stay, the study is
 marked ``interrupted`` and ``--resume`` (or the same command) continues it.
 """
@@ -150,6 +155,7 @@ class _Objective:
             result = known[plan.plan_id].result()
             _set_constraints(trial, result, ctx)
             trial.set_user_attr("duplicate", True)
+            self.progress("trial-duplicate", {"number": trial.number, "result": result})
             return result.tokens_per_sec
         predicted = self.screen.evaluate(plan, ctx)
         if self.evaluator is None:
@@ -237,6 +243,10 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
 
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
+    stored = [t for t in store.trials(study_rec.id) if t.fits and t.tokens_per_sec]
+    progress("start", {"study": study_rec.name, "budget": request.trials,
+                       "done": sum(t.state.is_finished() for t in study.trials),
+                       "best": max(stored, key=lambda t: t.tokens_per_sec).result() if stored else None})
     if not study.trials:
         space = SearchSpace(request.ctx, request.allowed)
         warm = warm_start(request, store, space, exclude=study_rec.id) if warm else []
@@ -356,6 +366,10 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
                         outage.clear()
                         continue
             except Exception as exc:  # noqa: BLE001 - only database outages are retried
+                if isinstance(exc, UnboundLocalError) and isinstance(exc.__context__, KeyboardInterrupt):
+                    # a Ctrl-C that landed in Optuna's own bookkeeping (Study.tell after the objective
+                    # returned): optuna.study._optimize._run_trial's `finally` turns it into this
+                    return True
                 outage.wait_or_raise(exc)
                 if objective.current is not None and outage.fail_trial(study, objective.current):
                     objective.current = None

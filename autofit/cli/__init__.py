@@ -10,6 +10,7 @@ from autofit.cli.catalog import gpus, models
 from autofit.cli.db import db
 from autofit.cli.estimate import estimate
 from autofit.cli.history import best, export_cmd, history, show
+from autofit.cli.report import report_cmd
 from autofit.cli.search import search
 from autofit.cli.worker import worker
 
@@ -46,6 +47,7 @@ cli.add_command(history)
 cli.add_command(show)
 cli.add_command(best)
 cli.add_command(export_cmd)
+cli.add_command(report_cmd)
 cli.add_command(db)
 
 

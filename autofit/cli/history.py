@@ -36,18 +36,23 @@ def history(model, gpus, db_url, as_json):
 @json_option
 @handle_errors
 def show(study, db_url, as_json):
-    """Every trial of STUDY (name or id) with status, totals and tokens/s."""
+    """Every trial of STUDY (name or id): status, memory, tokens/s, bottleneck; then the answer."""
+    from autofit.analysis import standing as standing_of
     from autofit.store import Store
 
     store = Store(db_url)
     rec = store.get_study(study)
     trials = store.trials(rec.id)
+    standing = standing_of([t.result() for t in trials], rec.context())
     if as_json:
-        click.echo(report.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials]}))
+        click.echo(report.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials],
+                                 "standing": standing.as_dict()}))
         return
     console = Console()
     console.print(report.study_header(rec))
-    console.print(report.trials_table(trials))
+    console.print(report.trials_table(trials, standing.best))
+    report.print_answer(console, standing, rec.allowed.get("methods") or [])
+    console.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
 
 
 @click.command()

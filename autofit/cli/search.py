@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import sys
 
 import click
 from click.core import ParameterSource
 from rich.console import Console
 
-from autofit import report
+from autofit import analysis, report
 from autofit.cli.options import db_option, handle_errors, json_option, parse_duration, target_options
-from autofit.errors import SpecError
+from autofit.errors import AutofitError, SpecError
 
 
 @click.command()
@@ -36,6 +38,8 @@ from autofit.errors import SpecError
 @click.option("--wait", is_flag=True, help="With --workers 0: follow the study until the workers finish it.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).")
+@click.option("--report/--no-report", "write_report", default=True, show_default=True,
+              help="Write report.html and its plots into --out at the end (not with --json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @db_option
 @json_option
@@ -64,23 +68,30 @@ def search(cctx: click.Context, **opts):
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     console = Console(stderr=True, quiet=quiet)
     progress = report.SearchProgress(console, request) if not quiet else None
-    if opts["parallel"] > 1 or opts["workers"] == 0:
-        outcome = _distributed(request, store, opts, progress)
-    else:
-        outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"],
-                             progress=progress)
+    with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
+        if opts["parallel"] > 1 or opts["workers"] == 0:
+            outcome = _distributed(request, store, opts, progress)
+        else:
+            outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
+                                 study_name=opts["name"], progress=progress)
+    standing = analysis.standing(outcome.results, ctx)
     exported = []
-    if outcome.best is not None and opts["out"]:
-        from autofit.export import export_plan
-
-        exported = export_plan(outcome.best.plan, ctx, opts["out"])
+    if standing.best is not None and opts["out"]:
+        try:
+            from autofit.export import export_plan
+        except ImportError as exc:
+            console.print(f"[yellow]note[/yellow]: configs not written, the exporter is not available ({exc})")
+        else:
+            exported = export_plan(standing.best.plan, ctx, opts["out"])
     if as_json:
-        click.echo(report.dumps(report.outcome_dict(outcome, exported)))
+        click.echo(report.dumps(report.outcome_dict(outcome, exported, standing)))
     else:
-        report.print_outcome(Console(), outcome, request, exported, store.masked_url)
+        out = Console()
+        report.print_outcome(out, outcome, standing, request, exported, store.masked_url)
+        _report(out, store, outcome.study.name, opts)
     if outcome.interrupted:
         sys.exit(130)
-    if outcome.best is None:
+    if standing.best is None:
         sys.exit(3)
 
 
@@ -104,6 +115,27 @@ def _distributed(request, store, opts, progress):
             click.echo(report.dumps({"study": rec.name, "status": "running"}))
         sys.exit(0)
     return follow(store, rec.name, progress=progress)
+
+
+def _report(console: Console, store, study: str, opts: dict) -> None:
+    """Write the study's report into --out, or say which command writes it."""
+    db = f" --db {shlex.quote(opts['db_url'])}" if opts.get("db_url") else ""
+    command = f"autofit report {shlex.quote(study)} --out {shlex.quote(opts['out'] or 'DIR')}{db}"
+    if opts["write_report"] and opts["out"]:
+        from autofit.htmlreport import write_report
+
+        try:
+            files = write_report(store, study, opts["out"])
+        except AutofitError as exc:
+            console.print(f"[yellow]the report was not written[/yellow]: {exc}; retry with: {command}",
+                          highlight=False)
+            return
+        for note in files.notes:
+            console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        console.print(f"report: [bold]{files.html}[/bold]  (plots beside it; rebuild with `{command}`)",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"report: {command}", highlight=False, soft_wrap=True)
 
 
 def _merge_study_file(cctx: click.Context, opts: dict) -> dict:

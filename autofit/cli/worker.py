@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -38,7 +39,8 @@ def worker(study, heartbeat, grace, quiet, db_url, as_json):
     rec = store.get_study(study)
     console = Console(stderr=True, quiet=quiet or as_json)
     progress = None if (quiet or as_json) else report.SearchProgress(console, request_from_study(rec))
-    outcome = run_worker(store, rec.name, progress=progress, heartbeat=(heartbeat, grace))
+    with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
+        outcome = run_worker(store, rec.name, progress=progress, heartbeat=(heartbeat, grace))
     if as_json:
         click.echo(report.dumps(report.outcome_dict(outcome, [])))
     elif not quiet:

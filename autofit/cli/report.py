@@ -1,0 +1,33 @@
+"""``autofit report``: a self-contained HTML page (plots, tables, configs) of a stored study."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+
+from autofit import report
+from autofit.cli.options import db_option, handle_errors, json_option
+
+
+@click.command(name="report")
+@click.argument("study")
+@click.option("--out", default=None, metavar="DIR",
+              help="Directory for report.html and the plots (PNG and SVG) [default: autofit-report/STUDY].")
+@db_option
+@json_option
+@handle_errors
+def report_cmd(study, out, db_url, as_json):
+    """Write STUDY's report: report.html (opens offline) and its plots as PNG and SVG."""
+    from autofit.htmlreport import write_report
+    from autofit.store import Store
+
+    store = Store(db_url)
+    rec = store.get_study(study)
+    files = write_report(store, rec.id, out or f"autofit-report/{rec.name}")
+    if as_json:
+        click.echo(report.dumps(files.as_dict()))
+        return
+    console = Console(stderr=True)
+    for note in files.notes:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+    click.echo(f"report: {files.html}")
