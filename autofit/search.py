@@ -243,12 +243,12 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
 
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
+    space = SearchSpace(request.ctx, request.allowed)  # refuses an impossible request before any output
     stored = [t for t in store.trials(study_rec.id) if t.fits and t.tokens_per_sec]
     progress("start", {"study": study_rec.name, "budget": request.trials,
                        "done": sum(t.state.is_finished() for t in study.trials),
                        "best": max(stored, key=lambda t: t.tokens_per_sec).result() if stored else None})
     if not study.trials:
-        space = SearchSpace(request.ctx, request.allowed)
         warm = warm_start(request, store, space, exclude=study_rec.id) if warm else []
         if warm:
             progress("warm-start", {"n": len(warm)})
@@ -366,9 +366,8 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
                         outage.clear()
                         continue
             except Exception as exc:  # noqa: BLE001 - only database outages are retried
-                if isinstance(exc, UnboundLocalError) and isinstance(exc.__context__, KeyboardInterrupt):
-                    # a Ctrl-C that landed in Optuna's own bookkeeping (Study.tell after the objective
-                    # returned): optuna.study._optimize._run_trial's `finally` turns it into this
+                exc = _unmasked(exc)
+                if isinstance(exc, KeyboardInterrupt):
                     return True
                 outage.wait_or_raise(exc)
                 if objective.current is not None and outage.fail_trial(study, objective.current):
@@ -378,6 +377,16 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
     except KeyboardInterrupt:
         return True
     return False
+
+
+def _unmasked(exc: BaseException) -> BaseException:
+    """The exception Optuna hid. When Study.tell fails or is interrupted inside
+    ``optuna.study._optimize._run_trial`` (Optuna 4-5), its ``finally`` reads a variable that
+    was never set, and the UnboundLocalError carries the real cause (a Ctrl-C, a lost
+    database connection) only as its ``__context__``."""
+    if isinstance(exc, UnboundLocalError) and exc.__context__ is not None and "updated_state" in str(exc):
+        return exc.__context__
+    return exc
 
 
 class _Outage:

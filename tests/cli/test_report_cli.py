@@ -67,15 +67,12 @@ def test_report_and_show_of_an_unknown_study_are_one_clear_line(tmp_path):
         assert r.exit_code != 0 and "no study named" in r.output and "Traceback" not in r.output
 
 
-def test_show_marks_the_winner_and_explains_the_losses(tmp_path):
-    db = f"sqlite:///{tmp_path / 'a.db'}"
-    searched = json.loads(run("search", "--model", "mistral-7b", "--gpus", "2xA10", "--backend", "analytic",
-                              "--trials", "10", "--db", db, "--out", "", "--json").stdout)
-    r = CliRunner().invoke(cli, ["show", searched["study"], "--db", db], terminal_width=250)
+def test_show_marks_the_winner_and_explains_the_losses(tight_study):
+    r = CliRunner().invoke(cli, ["show", tight_study.name, "--db", tight_study.url], terminal_width=250)
     text = r.stdout
     assert r.exit_code == 0, r.output
     assert text.count("★") == 1 and "device GiB" in text and "tokens/s" in text and "bottleneck" in text
-    assert "why the others lost" in text and "best plan per method" in text
-    assert f"autofit report {searched['study']}" in text
-    shown = json.loads(run("show", searched["study"], "--db", db, "--json").stdout)
-    assert shown["standing"]["best"]["plan_id"] == searched["best"]["plan_id"]
+    assert "why the others lost" in text and "best plan per method" in text and " oom " in text
+    assert f"autofit report {tight_study.name}" in text
+    shown = json.loads(run("show", tight_study.name, "--db", tight_study.url, "--json").stdout)
+    assert shown["standing"]["best"]["plan_id"] == tight_study.outcome.best.plan.plan_id
