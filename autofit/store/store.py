@@ -505,9 +505,13 @@ class Store:
                 {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
             )
             try:
-                self._optuna = optuna.storages.RDBStorage(
-                    self.url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                )
+                # Optuna creates its tables on first use; two processes doing so at once race
+                # on its version row, so the creation is serialized like our migrations
+                with self._lock("optuna-init", 0):
+                    self._optuna = optuna.storages.RDBStorage(
+                        self.url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
+                        grace_period=grace_period,
+                    )
             except SQLAlchemyError as exc:
                 raise self._error(exc) from exc
             self._optuna_key = key
@@ -521,18 +525,22 @@ class Store:
         beside the database (one machine) — SQLite's own write lock cannot serve, since
         Optuna writes the new trial through another connection while we would hold it.
         """
+        with self._lock(f"study-{int(study_id)}", int(study_id)):
+            yield
+
+    @contextmanager
+    def _lock(self, name: str, key: int) -> Iterator[None]:
         if self.dialect == "postgresql":
             with self.engine.connect() as conn:
-                conn.exec_driver_sql(f"SELECT pg_advisory_lock({_LOCK_NAMESPACE}, {int(study_id)})")
+                conn.exec_driver_sql(f"SELECT pg_advisory_lock({_LOCK_NAMESPACE}, {int(key)})")
                 try:
                     yield
                 finally:
-                    conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_LOCK_NAMESPACE}, {int(study_id)})")
+                    conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_LOCK_NAMESPACE}, {int(key)})")
             return
         import fcntl
 
-        path = f"{self._url.database}.study-{int(study_id)}.lock"
-        with open(path, "a") as fh:
+        with open(f"{self._url.database}.{name}.lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
