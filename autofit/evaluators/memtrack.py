@@ -77,9 +77,15 @@ class Snapshot:
 class StorageTracker(TorchDispatchMode):
     """Log every storage an op creates, and when it dies."""
 
-    def __init__(self, record_ops: bool = False) -> None:
+    def __init__(self, record_ops: bool = False, budget: int | None = None, skip_meta: bool = False) -> None:
         super().__init__()
         self.record_ops = record_ops
+        # measured runs build models on the meta device (no memory); fake tensors keep
+        # meta storages too, so the simulator leaves this off
+        self.skip_meta = skip_meta
+        # measured runs on the CPU: bytes this rank may hold at once (see _exceeded)
+        self.budget = budget
+        self.budget_hit: dict | None = None
         self._op = ""
         self.log: list[tuple[int, int]] = []  # (storage key, +/- rounded bytes)
         self.recs: dict[int, _Rec] = {}
@@ -121,6 +127,8 @@ class StorageTracker(TorchDispatchMode):
     # -- registration ------------------------------------------------------------------
     def _key_of(self, t: torch.Tensor, create: bool) -> int | None:
         st = t.untyped_storage()
+        if self.skip_meta and st.device.type == "meta":
+            return None
         cdata = st._cdata
         key = self._keys.get(cdata)
         if key is not None or not create:
@@ -132,8 +140,8 @@ class StorageTracker(TorchDispatchMode):
         self._next_key += 1
         self._keys[cdata] = key
         self.recs[key] = _Rec(nbytes, self.phase, self.region, self.step, self._op)
+        weakref.finalize(st, self._free, cdata, key)  # before _add, which may raise (budget)
         self._add(key, nbytes)
-        weakref.finalize(st, self._free, cdata, key)
         return key
 
     def _add(self, key: int, nbytes: int) -> None:
@@ -144,6 +152,8 @@ class StorageTracker(TorchDispatchMode):
             self.peak_event = len(self.log) - 1
             self.peak_phase = self.phase
             self.peak_step = self.step
+        if self.budget is not None and self.live > self.budget and self.budget_hit is None:
+            self._exceeded(nbytes)
 
     def _free(self, cdata: int, key: int) -> None:
         if self._keys.get(cdata) == key:
@@ -188,6 +198,33 @@ class StorageTracker(TorchDispatchMode):
                 if weight_copy and key is not None:
                     self.weight_keys.add(key)
         return out
+
+    # -- the CPU memory budget (measured runs) ------------------------------------------
+    def _exceeded(self, nbytes: int) -> None:
+        """Raise ``torch.OutOfMemoryError`` at the allocation that crosses the budget.
+
+        The op has already run (a dispatch mode sees outputs), but its caller never gets
+        the result: the error surfaces from the same op, forward or backward, as CUDA's
+        allocator raises it. Only the first crossing raises; the state is kept in
+        ``budget_hit`` for the result file.
+        """
+        self.budget_hit = {
+            "requested": nbytes, "live_before": self.live - nbytes, "budget": self.budget,
+            "phase": self.phase, "step": self.step, "event": len(self.log) - 1,
+        }
+        mib = 2**20
+        raise torch.OutOfMemoryError(
+            f"CPU out of memory under the autofit budget: tried to allocate {nbytes / mib:.2f} MiB with "
+            f"{(self.live - nbytes) / mib:.2f} MiB allocated; the budget is {self.budget / mib:.2f} MiB "
+            f"(phase {self.phase}, step {self.step})"
+        )
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak = self.live
+        self.peak_event = len(self.log) - 1
+        self.peak_phase = self.phase
+        self.peak_step = self.step
 
     # -- results -----------------------------------------------------------------------
     def snapshot(self, event: int | None = None) -> Snapshot:
