@@ -156,7 +156,7 @@ def build(spec, plan, device: str, seed: int):
     return rt.build_model(spec, plan, device, seed=seed)
 
 
-def set_up(spec, plan, device: str, launcher: str, seed: int) -> Setup:
+def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> Setup:
     """Build the model and optimizer; hand them to the engine the launcher configured."""
     import torch
 
@@ -199,8 +199,25 @@ def set_up(spec, plan, device: str, launcher: str, seed: int) -> Setup:
     engine.update(_describe(acc, model, optimizer))
     engine["fsdp_applied_by"] = "autofit (accelerate does not select FSDP on the CPU)" if fsdp_by_us else (
         "accelerate" if acc.distributed_type is DistributedType.FSDP else None)
-    return Setup(model, optimizer, accelerator=acc, backward=acc.backward,
+    backward = acc.backward
+    if use_ds:
+        backward = _deepspeed_backward(acc, model, tracker)
+    return Setup(model, optimizer, accelerator=acc, backward=backward,
                  micro_batch_context=lambda i, n: acc.accumulate(model), engine=engine, step_plan=step_plan)
+
+
+def _deepspeed_backward(acc, engine, tracker):
+    """``accelerator.backward`` under DeepSpeed (engine backward, and its step at the accumulation
+    boundary), with the engine's step seen by the tracker as the optimizer phase it is."""
+    def backward(loss):
+        boundary = acc.sync_gradients
+        engine.set_gradient_accumulation_boundary(is_boundary=boundary)
+        engine.backward(loss)
+        if boundary:
+            with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
+                engine.step()
+
+    return backward
 
 
 def _switch_to_fsdp(acc) -> None:
@@ -332,7 +349,7 @@ class Trial:
         tracking = True
         try:
             with tracker.in_phase("setup"):
-                setup = set_up(spec, plan, "cuda" if cuda else "cpu", s["launcher"], seed)
+                setup = set_up(spec, plan, "cuda" if cuda else "cpu", s["launcher"], seed, tracker)
             model = setup.model
             tracker.track(list(model.parameters()) + list(model.buffers()), "weights")
             _engine_marks(tracker, setup)
@@ -406,6 +423,14 @@ class Trial:
             "losses": losses,
             "loss_finite": all(math.isfinite(x) for x in losses),
         }
+
+    def close(self) -> None:
+        """Leave the process group before exiting: gloo's threads abort an interpreter that exits inside it."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         import torch.distributed as dist
@@ -483,6 +508,7 @@ def main(argv: list[str]) -> int:
             "loss_finite": out["loss_finite"],
             "ranks": ranks,
         })
+    trial.close()
     return 0
 
 

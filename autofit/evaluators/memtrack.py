@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -72,6 +72,20 @@ class Snapshot:
     @property
     def total(self) -> int:
         return sum(self.components.values())
+
+
+def _plain_tensors(items: Iterable) -> Iterator[torch.Tensor]:
+    """The tensors that own memory: wrapper subclasses (FSDP2's DTensor parameters and
+    gradients) are replaced by their inner tensors, whose storages are the real ones (the
+    wrapper reports a storage of the *global* size)."""
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            yield from _plain_tensors(getattr(t, a) for a in attrs)
+        else:
+            yield t
 
 
 class StorageTracker(TorchDispatchMode):
@@ -165,9 +179,7 @@ class StorageTracker(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor], kind: str | None = None) -> None:
         """Register tensors that exist already (parameters, buffers, states)."""
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _plain_tensors(tensors):
             key = self._key_of(t, create=True)
             if key is None:
                 continue
@@ -192,11 +204,10 @@ class StorageTracker(TorchDispatchMode):
             func is _TO_COPY and isinstance(args[0], torch.Tensor)
             and self._key_of(args[0], create=False) in self.weight_keys
         )
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                key = self._key_of(t, create=True)
-                if weight_copy and key is not None:
-                    self.weight_keys.add(key)
+        for t in _plain_tensors(tree_leaves(out)):
+            key = self._key_of(t, create=True)
+            if weight_copy and key is not None:
+                self.weight_keys.add(key)
         return out
 
     # -- the CPU memory budget (measured runs) ------------------------------------------
