@@ -53,12 +53,16 @@ def _auto(ctx: EvalContext) -> str:
     return "analytic"
 
 
-def evaluate(plan, ctx: EvalContext, backend: str = "auto") -> TrialResult:
-    """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it."""
+def evaluate(plan, ctx: EvalContext, backend: str = "auto", **options) -> TrialResult:
+    """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it.
+
+    ``options`` configure the measured evaluator and are ignored by the estimators.
+    """
     from autofit.plan import validate_plan
 
     validate_plan(plan, ctx.model, ctx.cluster, ctx.workload)
-    return get_evaluator(resolve_backend(backend, ctx)).evaluate(plan, ctx)
+    name = resolve_backend(backend, ctx)
+    return get_evaluator(name, **(options if name == "measured" else {})).evaluate(plan, ctx)
 
 
 __all__ = ["BACKENDS", "EvalContext", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_backend"]

@@ -166,9 +166,9 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     if launcher == "python":  # one process, plain torch
         model = build(spec, plan, device, seed)
         optimizer = rt.make_optimizer(plan, model)
-        return Setup(model, optimizer, engine={"distributed_type": "NO", "world_size": 1,
-                                               "model_class": type(model).__name__,
-                                               "optimizer_class": type(optimizer).__name__}, step_plan=plan)
+        engine = {"distributed_type": "NO", "world_size": 1, "model_class": type(model).__name__,
+                  "optimizer_class": type(optimizer).__name__, **_model_facts(model)}
+        return Setup(model, optimizer, engine=engine, step_plan=plan)
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
@@ -195,8 +195,9 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         optimizer = DummyOptim(params) if "optimizer" in ds_cfg else rt.make_optimizer(plan, model)
     else:
         optimizer = rt.make_optimizer(plan, model)
+    facts = _model_facts(model)
     model, optimizer = acc.prepare(model, optimizer)
-    engine.update(_describe(acc, model, optimizer))
+    engine.update(_describe(acc, model, optimizer), **facts)
     engine["fsdp_applied_by"] = "autofit (accelerate does not select FSDP on the CPU)" if fsdp_by_us else (
         "accelerate" if acc.distributed_type is DistributedType.FSDP else None)
     backward = acc.backward
@@ -232,6 +233,19 @@ def _switch_to_fsdp(acc) -> None:
     state.fsdp_plugin = plugin
     for shared in (AcceleratorState._shared_state, PartialState._shared_state):
         shared["distributed_type"] = DistributedType.FSDP
+
+
+def _model_facts(model) -> dict[str, Any]:
+    """What the plan made of the model (before an engine reshapes it): 4-bit layers, trainables, checkpointing."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    inner = getattr(model, "get_base_model", lambda: model)()
+    return {
+        "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trainable}),
+        "checkpointing": bool(getattr(inner, "is_activation_checkpointing",
+                                      getattr(inner, "is_gradient_checkpointing", False))),
+    }
 
 
 def _describe(acc, model, optimizer) -> dict[str, Any]:

@@ -427,6 +427,8 @@ def classify(plan: Plan, ctx: EvalContext, trial_dir: Path, rc: int | None, stop
         plan, status, "measured", memory=memory, throughput=throughput, capacity_bytes=ctx.capacity_bytes,
         reason=reason, duration_s=duration, extra=extra)
 
+    if last is not None:
+        extra["last_step"] = {"step": last.step, "tokens_per_sec": last.tokens_per_sec, "peak_bytes": last.peak_bytes}
     if stopped == "timeout":
         at = f" after step {last.step}" if last else " before its first step"
         return mk(Status.TIMEOUT, f"no result within {timeout_s:g} s (stopped{at}); its processes were killed")
