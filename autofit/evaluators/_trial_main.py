@@ -527,4 +527,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the results are on disk; skip the interpreter's teardown, where threads left by gloo
+    # and the engines can abort the process ("terminate called without an active exception")
+    os._exit(code)
