@@ -8,7 +8,6 @@ search and the CLI are in test_measured_slow.py and tests/cli/test_measured_cli.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -149,24 +148,38 @@ PLANS = {
 }
 
 
+FAULTS = {
+    # a 24 MiB budget (no headroom) that step 0 of the full plan crosses
+    "oom": (PLANS["full"], dict(budget="24MiB", headroom=0.0), {}),
+    "crash": (PLANS["lora"], {}, {"AUTOFIT_TEST_TRIAL_FAULT": "crash@1"}),
+}
+
+
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory):
-    ctx = cpu_ctx()
-    ev = MeasuredEvaluator(warmup_steps=2, timed_steps=2, timeout_s=300, env=ENV,
-                           work_dir=tmp_path_factory.mktemp("trials"))
-    out = {}
-    for name, plan in PLANS.items():
+    """Every single-process trial of this module, two at a time (the children mostly import)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = tmp_path_factory.mktemp("trials")
+    jobs = {name: (plan, cpu_ctx(), {}) for name, plan in PLANS.items()}
+    jobs.update({name: (plan, cpu_ctx(**ctx_kw), env) for name, (plan, ctx_kw, env) in FAULTS.items()})
+
+    def run(name):
+        plan, ctx, env = jobs[name]
+        ev = MeasuredEvaluator(warmup_steps=2, timed_steps=2, timeout_s=300, env={**ENV, **env}, work_dir=work)
         steps = []
-        t0 = time.perf_counter()
-        r = ev.evaluate(plan, ctx, on_step=lambda s, steps=steps: steps.append(s) or True)
-        out[name] = (r, steps, time.perf_counter() - t0)
-    return ctx, out
+        r = ev.evaluate(plan, ctx, on_step=lambda s: steps.append(s) or True)
+        return r, steps
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs)))
+    return cpu_ctx(), results
 
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_single_process_trial_measures_memory_and_speed(single_runs, name):
     ctx, runs = single_runs
-    r, steps, _ = runs[name]
+    r, steps = runs[name]
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     assert r.evaluator == "measured" and r.plan == PLANS[name]
     e = r.extra
@@ -204,52 +217,49 @@ def test_the_plan_s_techniques_are_really_applied(single_runs):
 
 
 def test_measured_peaks_beside_the_analytic_prediction(single_runs):
-    """The stored pair's gap. The analytic estimate is validated (±4%) on plain plans; full
-    bf16-mixed is one of them. The simulator will take the analytic's place here."""
+    """The stored pair's gap, within the analytic estimate's validated ±4% (test_analytic.py).
+    The simulator (same tracker, so it should be within 2%) will take the analytic's place here."""
     ctx, runs = single_runs
     gaps = {name: estimate(PLANS[name], ctx).memory.peak_allocated / r.memory.peak_allocated - 1
-            for name, (r, _, _) in runs.items()}
+            for name, (r, _) in runs.items() if name in PLANS}
     print({k: f"{v:+.2%}" for k, v in gaps.items()})
-    assert abs(gaps["full"]) < 0.02
-    assert all(abs(g) < 0.10 for g in gaps.values()), gaps
+    assert all(abs(g) < 0.04 for g in gaps.values()), gaps
 
 
 def test_measured_results_are_stored_with_device_and_budget(single_runs, store):
     ctx, runs = single_runs
     study = store.create_study(ctx, backend="measured")
-    for r, _, _ in runs.values():
+    for r, _ in runs.values():
         store.record_trial(study.id, r)
     back = [store.trial_result(t) for t in store.trials(study.id)]
-    assert [b.plan for b in back] == [r.plan for r, _, _ in runs.values()]
-    for b, (r, _, _) in zip(back, runs.values()):
-        assert b.evaluator == "measured" and b.status is Status.FITS
+    assert [(b.plan, b.status) for b in back] == [(r.plan, r.status) for r, _ in runs.values()]
+    for b, (r, _) in zip(back, runs.values()):
+        assert b.evaluator == "measured" and b.reason == r.reason
         assert b.memory == r.memory and b.tokens_per_sec == pytest.approx(r.tokens_per_sec)
-        assert b.extra["device"] == "cpu" and b.extra["cpu_mem_budget"] == GiB
-        assert b.extra["device_name"] and b.extra["engine"]["optimizer_class"]
+        assert b.extra["device"] == "cpu" and b.extra["cpu_mem_budget"] == r.extra["cpu_mem_budget"] > 0
+        if b.status is Status.FITS:
+            assert b.extra["device_name"] and b.extra["engine"]["optimizer_class"]
 
 
 # -- real faults -------------------------------------------------------------------------------------
-def test_a_plan_over_the_cpu_budget_is_oom_in_its_first_step():
-    ctx = cpu_ctx(budget="24MiB", headroom=0.0)
-    plan = PLANS["full"]
-    r = MeasuredEvaluator(timeout_s=300, env=ENV).evaluate(plan, ctx)
+def test_a_plan_over_the_cpu_budget_is_oom_in_its_first_step(single_runs):
+    r, steps = single_runs[1]["oom"]
     assert r.status is Status.OOM, (r.reason, r.extra.get("stderr_tail"))
     hit = r.extra["budget_hit"]
-    assert hit["step"] == 0 and hit["budget"] == 24 * MiB
+    assert hit["step"] == 0 and hit["budget"] == 24 * MiB and not steps  # stopped inside step 0
     assert "> the 24.0 MiB budget" in r.reason and "step 0" in r.reason
     assert r.memory.peak_allocated == hit["live_before"] + hit["requested"] > 24 * MiB
     assert "OutOfMemoryError" in r.extra["error"]
     assert r.extra["exit_status"] == 3 and r.extra["ranks"][0]["status"] == "oom"
 
 
-def test_a_crashing_child_is_failed_with_its_error():
-    r = MeasuredEvaluator(timeout_s=300, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "crash@1"}).evaluate(
-        PLANS["lora"], cpu_ctx())
+def test_a_crashing_child_is_failed_with_its_error(single_runs):
+    r, steps = single_runs[1]["crash"]
     assert r.status is Status.FAILED
     assert r.reason == "rank 0 failed: RuntimeError: injected crash at step 1 (AUTOFIT_TEST_TRIAL_FAULT)"
     assert any("injected_fault" in line for line in r.extra["traceback"])
     assert any("injected crash" in line for line in r.extra["stderr_tail"])
-    assert r.extra["last_step"]["step"] == 0  # step 0 ran and was reported
+    assert [s.step for s in steps] == [0] and r.extra["last_step"]["step"] == 0  # step 0 ran and was reported
 
 
 def test_the_pruner_stops_a_running_trial_through_the_search_objective(tmp_path):
