@@ -186,7 +186,8 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         # FSDP checkpoints each wrapped layer itself (fsdp_activation_checkpointing); the
         # model's own checkpointing stays off, as the exported trainer_args say
         step_plan = plan.replace(checkpointing=Checkpointing.NONE)
-    model = build(spec, step_plan, device, seed)
+    with _zero3_init(acc) if use_ds else contextlib.nullcontext():
+        model = build(spec, step_plan, device, seed)
     if use_ds:
         from accelerate.utils import DummyOptim
 
@@ -205,6 +206,27 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         backward = _deepspeed_backward(acc, model, tracker)
     return Setup(model, optimizer, accelerator=acc, backward=backward,
                  micro_batch_context=lambda i, n: acc.accumulate(model), engine=engine, step_plan=step_plan)
+
+
+@contextlib.contextmanager
+def _zero3_init(acc):
+    """Build under ``deepspeed.zero.Init`` exactly when the exported ``zero3_init_flag`` says so.
+
+    accelerate registers its DeepSpeed config with transformers whatever the flag, and
+    ``from_config`` then partitions at construction for any ZeRO-3 config; the export turns
+    the flag off for QLoRA (from_pretrained skips zero.Init for 4-bit weights), so here too.
+    """
+    plugin = acc.state.deepspeed_plugin
+    if plugin.zero_stage != 3 or _flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def _deepspeed_backward(acc, engine, tracker):
@@ -287,6 +309,8 @@ def _describe(acc, model, optimizer) -> dict[str, Any]:
         pass
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         out["ddp"] = True
+    # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
+    out["checkpoint_wrappers"] = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
     return out
 
 

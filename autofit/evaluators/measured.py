@@ -342,7 +342,11 @@ class MeasuredEvaluator(Evaluator):
         with open(trial_dir / "stdout.log", "wb") as out, open(trial_dir / "stderr.log", "wb") as err:
             proc = subprocess.Popen(cmd, cwd=trial_dir, env=child_env(opts.env), stdout=out, stderr=err,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-            stopped, last = self._watch(proc, trial_dir, on_step, t0)
+            try:
+                stopped, last = self._watch(proc, trial_dir, on_step, t0)
+            except BaseException:  # Ctrl-C or a failing on_step: the child's own session would outlive us
+                kill_tree(proc)
+                raise
         rc = proc.returncode
         extra["exit_status"] = rc
         duration = time.perf_counter() - t0

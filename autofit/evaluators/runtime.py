@@ -360,7 +360,7 @@ class StepRunner:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
         if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as activations
-            enable_checkpointing(model, {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
+            enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
     def _enter_logits(self, module, args):

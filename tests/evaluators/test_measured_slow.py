@@ -53,7 +53,7 @@ def session_members(sid: int) -> list[int]:
 
 TWO_RANK = {
     "ddp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2),
-    "fsdp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp"),
+    "fsdp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full"),
     "zero2": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2"),
     "zero3": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero3"),
 }
@@ -90,6 +90,8 @@ def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
         assert eng["fsdp_param_type"] == "DTensor" and eng["fsdp_placements"] in (["S(0)"], ["Shard(dim=0)"])
         assert eng["fsdp_local_numel"] * 2 == eng["fsdp_global_numel"]
         assert eng["fsdp_modules"] >= 1 + tiny("mistral-7b").num_layers  # each decoder layer and the root
+        # checkpointing is FSDP's (fsdp_activation_checkpointing), not the model's
+        assert eng["checkpoint_wrappers"] == tiny("mistral-7b").num_layers and not eng["checkpointing"]
         # fp32 sharded parameters (accelerate upcasts for mixed precision): half of 4 bytes × N per rank
         assert m.weights == pytest.approx(4 * n / 2, rel=0.02)
     else:
@@ -169,3 +171,38 @@ class _Replay:
 
     def suggest_categorical(self, name, choices):
         return self.params[name]
+
+
+def test_ctrl_c_in_the_parent_takes_the_child_down():
+    """The child runs in its own session (no SIGINT from the terminal reaches it): the parent kills it."""
+    running = []
+
+    def interrupt(step):
+        running.append(_trial_children())
+        raise KeyboardInterrupt
+
+    ev = MeasuredEvaluator(timeout_s=120, env=ENV)
+    with pytest.raises(KeyboardInterrupt):
+        ev.evaluate(Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2), ctx_for("1xcpu", global_batch=4),
+                    on_step=interrupt)
+    assert len(running) == 1 and len(running[0]) == 1  # the child was there at its first step
+    assert not alive(running[0][0]) and not _trial_children()
+
+
+def _trial_children() -> list[int]:
+    """Live processes running the trial child module, started by this test process."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if b"autofit.evaluators._trial_main" in cmd and fields[0] != "Z" and int(fields[1]) == os.getpid():
+            out.append(int(entry))
+    return out
