@@ -17,7 +17,10 @@ The step is :class:`autofit.evaluators.runtime.StepRunner`'s: the same model bui
 optimizer, batches and loss the simulator and the tests use. Multi-rank plans hand the
 model and optimizer to the engine the launcher set up from the exported files
 (``accelerate.prepare``: DDP or DeepSpeed), with ``accelerator.accumulate`` and
-``accelerator.backward`` around each micro-batch as the Trainer does.
+``accelerator.backward`` around each micro-batch as the Trainer does. A fused loss is
+Liger's kernel where it runs (CUDA, installed, a family it patches), applied as the
+Trainer applies ``use_liger_kernel``; elsewhere runtime's chunked loss, which holds one
+chunk of logits as Liger does.
 
 FSDP on the CPU: accelerate's state machine never selects FSDP without an accelerator
 device (``distributed_type`` stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the
@@ -156,6 +159,30 @@ def build(spec, plan, device: str, seed: int):
     return rt.build_model(spec, plan, device, seed=seed)
 
 
+def liger(spec, plan, device: str, model) -> bool:
+    """Fuse the loss with Liger's kernel where the exported trainer_args ask for it and it runs
+    (CUDA, liger-kernel installed, a family it patches): the Trainer's own call, on the base model."""
+    from autofit.export.trainer import LIGER_FAMILIES, LIGER_LOSS_ONLY
+
+    if not plan.fused_loss or device != "cuda" or spec.model_type not in LIGER_FAMILIES:
+        return False
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _apply_liger_kernel_to_instance(model=base, **LIGER_LOSS_ONLY)
+    return True
+
+
+def _loss_plan(spec, plan, device: str, model):
+    """The plan the step runs: with Liger patched in, the model's own forward computes the
+    fused loss (StepRunner's plain path); otherwise runtime's chunked loss stands in."""
+    if liger(spec, plan, device, model):
+        return plan.replace(fused_loss=False), "liger"
+    return plan, ("chunked" if plan.fused_loss else None)
+
+
 def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> Setup:
     """Build the model and optimizer; hand them to the engine the launcher configured."""
     import torch
@@ -165,10 +192,11 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
 
     if launcher == "python":  # one process, plain torch
         model = build(spec, plan, device, seed)
+        step_plan, fused = _loss_plan(spec, plan, device, model)
         optimizer = rt.make_optimizer(plan, model)
         engine = {"distributed_type": "NO", "world_size": 1, "model_class": type(model).__name__,
-                  "optimizer_class": type(optimizer).__name__, **_model_facts(model)}
-        return Setup(model, optimizer, engine=engine, step_plan=plan)
+                  "optimizer_class": type(optimizer).__name__, "fused_loss": fused, **_model_facts(model)}
+        return Setup(model, optimizer, engine=engine, step_plan=step_plan)
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
@@ -188,6 +216,7 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         step_plan = plan.replace(checkpointing=Checkpointing.NONE)
     with _zero3_init(acc) if use_ds else contextlib.nullcontext():
         model = build(spec, step_plan, device, seed)
+    step_plan, engine["fused_loss"] = _loss_plan(spec, step_plan, device, model)
     if use_ds:
         from accelerate.utils import DummyOptim
 
@@ -310,7 +339,10 @@ def _describe(acc, model, optimizer) -> dict[str, Any]:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         out["ddp"] = True
     # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
-    out["checkpoint_wrappers"] = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+    # (isinstance: fully_shard renames the class of what it shards)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    out["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     return out
 
 

@@ -130,10 +130,20 @@ def not_measurable(plan: Plan, ctx: EvalContext, device: str) -> str:
             return "paged-adamw-8bit pages optimizer states through CUDA unified memory; it has no CPU path"
         if plan.offload is not Offload.NONE:
             return "offloading to host memory moves nothing when the device is the host (CPU target)"
-    if plan.fused_loss and (plan.engine != "torch" or ctx.cluster.world_size > 1):
+    if plan.fused_loss and (plan.engine != "torch" or ctx.cluster.world_size > 1) and not liger_runs(ctx, device):
         return ("the chunked loss calls the model body outside the engine's forward (DDP, DeepSpeed, FSDP); "
-                "fused loss is measured in single-process runs only")
+                "without Liger (CUDA), a fused loss is measured in single-process runs only")
     return ""
+
+
+def liger_runs(ctx: EvalContext, device: str) -> bool:
+    """Liger's fused loss will be used by the child (see ``_trial_main.liger``)."""
+    import importlib.util
+
+    from autofit.export.trainer import LIGER_FAMILIES
+
+    return (device == "cuda" and ctx.model.model_type in LIGER_FAMILIES
+            and importlib.util.find_spec("liger_kernel") is not None)
 
 
 def launcher(plan: Plan, ctx: EvalContext) -> str:
