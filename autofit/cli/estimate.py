@@ -8,7 +8,14 @@ import click
 from rich.console import Console
 
 from autofit import report
-from autofit.cli.options import evaluator_options, handle_errors, json_option, measured_options, plan_options, target_options
+from autofit.cli.options import (
+    evaluator_options,
+    handle_errors,
+    json_option,
+    measured_options,
+    plan_options,
+    target_options,
+)
 from autofit.evaluators import evaluate
 from autofit.request import build_context, build_plan
 

@@ -208,7 +208,8 @@ def build_quantized_model(spec: ModelSpec, plan: Plan, device: str | torch.devic
             continue
         metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.device.type == "meta"]
         for n, p in metas:
-            module._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            module._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                       requires_grad=p.requires_grad)
         if metas:
             model._init_weights(module)
     model.tie_weights()
