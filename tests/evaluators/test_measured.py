@@ -63,9 +63,14 @@ def test_backends_measured_and_auto():
     assert resolve_backend("measured", cpu) == "measured"
     # the CPU target is measured only when asked: auto plans with the estimator
     assert resolve_backend("auto", cpu) == "analytic"
-    gpu = EvalContext(tiny("mistral-7b"), parse_cluster("1xA10"), Workload(seq_len=128, global_batch=4))
-    assert resolve_backend("auto", gpu) == "analytic"  # this machine has no A10
-    with pytest.raises(AutofitError, match="needs 1xA10 on this machine"):
+    from autofit.evaluators.measured import local_gpus
+    from autofit.specs import GPUS
+
+    here = {g.name for g in local_gpus() if g is not None}
+    absent = next(name for name in GPUS if name not in here)
+    gpu = EvalContext(tiny("mistral-7b"), parse_cluster(f"1x{absent}"), Workload(seq_len=128, global_batch=4))
+    assert resolve_backend("auto", gpu) == "analytic"  # this machine has no such GPU
+    with pytest.raises(AutofitError, match=f"needs 1x{absent} on this machine"):
         resolve_backend("measured", gpu)
     assert isinstance(get_evaluator("measured", timed_steps=1), MeasuredEvaluator)
 
