@@ -26,10 +26,16 @@ def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) 
 
 def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int | None = None, seq_len: int = 2048,
                   global_batch: int | None = None, lengths_path: str | None = None, headroom: float = 0.05,
-                  plan_opts: dict[str, Any] | None = None) -> EvalContext:
-    """The request's target. Without --global-batch, a given micro-batch × grad-accum defines it."""
+                  plan_opts: dict[str, Any] | None = None, cpu_mem_budget: str | int | None = None) -> EvalContext:
+    """The request's target. Without --global-batch, a given micro-batch × grad-accum defines it.
+
+    ``cpu_mem_budget`` (``--gpus Nxcpu`` only): the memory of each CPU rank, the budget every
+    evaluator judges by and measured runs enforce.
+    """
     spec = resolve_model(model)
     cluster = build_cluster(gpus, nodes, host_mem)
+    if cpu_mem_budget is not None:
+        cluster = with_cpu_budget(cluster, cpu_mem_budget)
     if global_batch is None:
         opts = plan_opts or {}
         if opts.get("micro_batch") is not None and opts.get("grad_accum") is not None:
@@ -40,6 +46,20 @@ def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int 
     if not 0 <= headroom < 1:
         raise SpecError(f"--headroom must be in [0, 1), got {headroom}")
     return EvalContext(spec, cluster, Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths), headroom)
+
+
+def with_cpu_budget(cluster: ClusterSpec, budget: str | int) -> ClusterSpec:
+    import dataclasses
+
+    from autofit.cli.options import parse_size
+    from autofit.specs.gpus import cpu_device
+
+    if cluster.gpu.kind != "cpu":
+        raise SpecError(f"--cpu-mem-budget applies to the local CPU target (--gpus 1xcpu), not {cluster.gpu.name}")
+    size = parse_size(budget) if isinstance(budget, str) else int(budget)
+    if size <= 0:
+        raise SpecError(f"--cpu-mem-budget must be positive, got {budget!r}")
+    return dataclasses.replace(cluster, gpu=cpu_device(size))
 
 
 def default_precision(cluster: ClusterSpec) -> Precision:

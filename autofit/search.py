@@ -31,7 +31,7 @@ import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
@@ -42,6 +42,11 @@ from autofit.space import Allowed, SearchSpace
 
 DEFAULT_TRIALS = {"analytic": 40, "simulated": 8, "measured": 12}
 ENQUEUE_MAX = 6
+# A real run settles what the estimate cannot: before a measured trial, only plans the
+# analytic estimate puts more than this far over the budget are pruned. Its peaks are
+# within a few percent of real steps (tests/evaluators/test_analytic.py), and a plan
+# wrongly pruned may be the winner, while one wrongly run stops at its first step.
+SCREEN_MARGIN = {"measured": 0.05}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class SearchRequest:
     trials: int = 40
     timeout_s: float | None = None
     seed: int = 0
+    # keyword options of the backend's evaluator (measured: steps, trial timeout, work dir)
+    evaluator_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def request_key(self) -> str:
@@ -138,7 +145,8 @@ class _Objective:
         self.current: int | None = None  # number of the trial being evaluated
         self.progress = progress or (lambda event, data: None)
         self.screen = AnalyticEvaluator()
-        self.evaluator = None if request.backend == "analytic" else get_evaluator(request.backend)
+        self.evaluator = (None if request.backend == "analytic"
+                          else get_evaluator(request.backend, **dict(request.evaluator_options)))
 
     def __call__(self, trial) -> float:
         import optuna
@@ -160,11 +168,13 @@ class _Objective:
         predicted = self.screen.evaluate(plan, ctx)
         if self.evaluator is None:
             result = predicted
-        elif not predicted.fits:
+        elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.backend, 0.0)):
             result = dataclasses.replace(predicted, status=Status.PRUNED,
                                          reason=f"predicted not to fit: {predicted.reason}")
         else:
             result = self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial))
+            # the stored pair: this evaluation beside the estimate it was screened by
+            result = dataclasses.replace(result, extra={**result.extra, "predicted": _prediction(predicted)})
         self.store.record_trial(self.study_id, result, number=trial.number, optuna_trial_id=trial._trial_id)
         trial.set_user_attr("status", result.status.value)
         _set_constraints(trial, result, ctx)
@@ -179,6 +189,27 @@ class _Objective:
             return not trial.should_prune()
 
         return on_step
+
+
+def _may_fit(predicted: TrialResult, ctx: EvalContext, margin: float) -> bool:
+    """Fits, or is over the budget by no more than ``margin`` of it (device and host)."""
+    if predicted.fits:
+        return True
+    m = predicted.memory
+    if m is None or margin <= 0:
+        return False
+    return (m.device_total <= ctx.budget_bytes * (1 + margin)
+            and m.host_bytes <= ctx.cluster.host_memory_bytes * (1 + margin))
+
+
+def _prediction(predicted: TrialResult) -> dict[str, Any]:
+    m = predicted.memory
+    return {
+        "evaluator": predicted.evaluator,
+        "status": predicted.status.value,
+        "tokens_per_sec": predicted.tokens_per_sec,
+        **({k: getattr(m, k) for k in ("peak_allocated", "peak_reserved", "device_total")} if m else {}),
+    }
 
 
 def _sampler(seed: int):

@@ -146,6 +146,10 @@ class SearchSpace:
             Sharding.ZERO3: [Offload.NONE, Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS],
             Sharding.FSDP: [Offload.NONE, Offload.OPTIMIZER_PARAMS],
         }[sharding]
+        if self.ctx.cluster.gpu.kind == "cpu":
+            # the CPU target's device is the host: offloading to it moves nothing, and
+            # sharding one rank without offload divides nothing
+            return [Offload.NONE] if not single or sharding is Sharding.NONE else []
         if single:
             options = [o for o in options if o is not Offload.NONE] or [Offload.NONE]
         if eight_bit or (sharding is not Sharding.FSDP and optimizer is not Optimizer.ADAMW):

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 from rich.console import Console
 
 from autofit import report
-from autofit.cli.options import handle_errors, json_option, plan_options, target_options
+from autofit.cli.options import (
+    evaluator_options,
+    handle_errors,
+    json_option,
+    measured_options,
+    plan_options,
+    target_options,
+)
 from autofit.evaluators import evaluate
 from autofit.request import build_context, build_plan
 
@@ -15,21 +24,30 @@ from autofit.request import build_context, build_plan
 @target_options
 @plan_options
 @click.option("--backend", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto", show_default=True)
+@measured_options
 @json_option
 @handle_errors
-def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, headroom, backend, as_json, **plan_opts):
+def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, headroom, backend, as_json,
+             cpu_mem_budget, steps, warmup_steps, trial_timeout, work_dir, **plan_opts):
     """Estimate the per-GPU memory anatomy and tokens/s of one training plan."""
     ctx = build_context(model, gpus, nodes=nodes, host_mem=host_mem, seq_len=seq_len, global_batch=global_batch,
-                        lengths_path=lengths_path, headroom=headroom, plan_opts=plan_opts)
+                        lengths_path=lengths_path, headroom=headroom, plan_opts=plan_opts,
+                        cpu_mem_budget=cpu_mem_budget)
     plan = build_plan(ctx, **plan_opts)
-    result = evaluate(plan, ctx, backend)
+    measured = evaluator_options(dict(steps=steps, warmup_steps=warmup_steps, trial_timeout=trial_timeout,
+                                      work_dir=work_dir))
+    result = evaluate(plan, ctx, backend, **measured)
     console = Console(stderr=as_json)
     for warning in ctx_warnings(ctx):
         console.print(f"[yellow]warning[/yellow]: {warning}")
     if as_json:
         click.echo(report.dumps(result.as_dict()))
+    elif result.memory is None:  # a measured run that failed, timed out or could not run here
+        console.print(f"[red]{result.status.value}[/red]: {result.reason}")
     else:
         report.print_estimate(console, result, ctx)
+    if result.memory is None:
+        sys.exit(1)
 
 
 def ctx_warnings(ctx):

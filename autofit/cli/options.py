@@ -113,6 +113,40 @@ def plan_options(fn: Callable) -> Callable:
     return fn
 
 
+def measured_options(fn: Callable) -> Callable:
+    """How ``--backend measured`` runs its trials; ``--cpu-mem-budget`` also sets the CPU target's memory."""
+    decorators = [
+        click.option("--cpu-mem-budget", default=None, metavar="SIZE",
+                     help="Memory of each CPU rank (--gpus Nxcpu), e.g. 600MiB: every backend judges by it, "
+                          "measured runs stop with OOM at the first allocation over it."),
+        click.option("--steps", type=click.IntRange(min=1), default=None,
+                     help="Measured: timed steps per trial [default: 3]."),
+        click.option("--warmup-steps", type=click.IntRange(min=1), default=None,
+                     help="Measured: warm-up steps per trial, where memory is tracked [default: 2]."),
+        click.option("--trial-timeout", default=None,
+                     help="Measured: stop a trial after this long, e.g. 10m [default: 15m]."),
+        click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+                     help="Measured: keep each trial's files (spec, exported configs, logs, results) here."),
+    ]
+    for d in reversed(decorators):
+        fn = d(fn)
+    return fn
+
+
+def evaluator_options(opts: dict) -> dict:
+    """The measured evaluator's keyword options from ``measured_options`` (unset ones left out)."""
+    out = {}
+    if opts.get("steps") is not None:
+        out["timed_steps"] = opts["steps"]
+    if opts.get("warmup_steps") is not None:
+        out["warmup_steps"] = opts["warmup_steps"]
+    if opts.get("trial_timeout") is not None:
+        out["timeout_s"] = parse_duration(opts["trial_timeout"])
+    if opts.get("work_dir"):
+        out["work_dir"] = opts["work_dir"]
+    return out
+
+
 def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)
 

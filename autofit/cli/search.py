@@ -12,7 +12,15 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from autofit import analysis, report
-from autofit.cli.options import db_option, handle_errors, json_option, parse_duration, target_options
+from autofit.cli.options import (
+    db_option,
+    evaluator_options,
+    handle_errors,
+    json_option,
+    measured_options,
+    parse_duration,
+    target_options,
+)
 from autofit.errors import AutofitError, SpecError
 
 
@@ -41,6 +49,7 @@ from autofit.errors import AutofitError, SpecError
 @click.option("--report/--no-report", "write_report", default=True, show_default=True,
               help="Write report.html and its plots into --out at the end (not with --json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@measured_options
 @db_option
 @json_option
 @click.pass_context
@@ -58,12 +67,14 @@ def search(cctx: click.Context, **opts):
         raise SpecError("--model and --gpus are required (or a --config study file that sets them)")
     ctx = build_context(opts["model"], opts["gpus"], nodes=opts["nodes"], host_mem=opts["host_mem"],
                         seq_len=opts["seq_len"], global_batch=opts["global_batch"],
-                        lengths_path=opts["lengths_path"], headroom=opts["headroom"])
+                        lengths_path=opts["lengths_path"], headroom=opts["headroom"],
+                        cpu_mem_budget=opts["cpu_mem_budget"])
     allowed = Allowed.parse(opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"])
     backend = resolve_backend(opts["backend"], ctx)
     request = SearchRequest(ctx=ctx, allowed=allowed, backend=backend,
                             trials=opts["trials"] or DEFAULT_TRIALS[backend],
-                            timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"])
+                            timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"],
+                            evaluator_options=evaluator_options(opts) if backend == "measured" else {})
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     console = Console(stderr=True, quiet=quiet)

@@ -11,30 +11,58 @@ from autofit.evaluators.base import EvalContext, Evaluator, TrialResult
 BACKENDS = ("auto", "analytic", "simulated", "measured")
 
 
-def get_evaluator(name: str) -> Evaluator:
-    """The evaluator for a concrete backend name."""
+def get_evaluator(name: str, **options) -> Evaluator:
+    """The evaluator for a concrete backend name; ``options`` go to the measured evaluator
+    (``warmup_steps``, ``timed_steps``, ``timeout_s``, ``cpu_mem_budget``, ``work_dir``, ``env``)."""
     if name == "analytic":
         from autofit.evaluators.analytic import AnalyticEvaluator
 
         return AnalyticEvaluator()
-    raise AutofitError(f"backend {name!r} is not available; use one of: analytic")
+    if name == "measured":
+        from autofit.evaluators.measured import MeasuredEvaluator
+
+        return MeasuredEvaluator(**options)
+    raise AutofitError(f"backend {name!r} is not available; use one of: analytic, measured")
 
 
 def resolve_backend(name: str, ctx: EvalContext) -> str:
     """``auto``: the most faithful evaluator available for the target cluster."""
     if name not in BACKENDS:
         raise AutofitError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
+    if name == "measured":
+        from autofit.evaluators.measured import target_device
+
+        target_device(ctx)  # raises, in one line, when this machine cannot run the target
+        return name
     if name != "auto":
         return name
+    return _auto(ctx)
+
+
+def _auto(ctx: EvalContext) -> str:
+    """Measure when this machine has the target GPUs (model and count, one node).
+
+    The local-CPU target (``1xcpu``) is never measured by ``auto``: it exists to plan and
+    test without a GPU, where a real run takes minutes; ``--backend measured`` asks for one.
+    """
+    if ctx.cluster.gpu.kind == "cuda" and ctx.cluster.nodes == 1:
+        from autofit.evaluators.measured import local_gpus_match
+
+        if local_gpus_match(ctx.cluster):
+            return "measured"
     return "analytic"
 
 
-def evaluate(plan, ctx: EvalContext, backend: str = "auto") -> TrialResult:
-    """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it."""
+def evaluate(plan, ctx: EvalContext, backend: str = "auto", **options) -> TrialResult:
+    """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it.
+
+    ``options`` configure the measured evaluator and are ignored by the estimators.
+    """
     from autofit.plan import validate_plan
 
     validate_plan(plan, ctx.model, ctx.cluster, ctx.workload)
-    return get_evaluator(resolve_backend(backend, ctx)).evaluate(plan, ctx)
+    name = resolve_backend(backend, ctx)
+    return get_evaluator(name, **(options if name == "measured" else {})).evaluate(plan, ctx)
 
 
 __all__ = ["BACKENDS", "EvalContext", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_backend"]

@@ -505,8 +505,8 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
     peak_allocated = sum(comp.values())
-    peak_reserved = costs.reserved_bytes(peak_allocated)
-    total = costs.device_total(peak_reserved, cluster.world_size)
+    peak_reserved = costs.reserved_bytes(peak_allocated, cluster.gpu.kind)
+    total = costs.device_total(peak_reserved, cluster.world_size, cluster.gpu.kind)
     host = (st.host + costs.HOST_PROCESS_BYTES) * cluster.gpus_per_node
     memory = MemoryAnatomy(
         weights=comp["weights"],

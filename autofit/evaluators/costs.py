@@ -50,13 +50,22 @@ def nccl_bytes(world_size: int) -> int:
     return NCCL_BASE_BYTES + NCCL_PER_PEER_BYTES * min(world_size - 1, 15)
 
 
-def reserved_bytes(peak_allocated: int) -> int:
-    """The caching allocator's pool at the peak: allocations rounded to 2 MiB segments plus fragmentation."""
+def reserved_bytes(peak_allocated: int, kind: str = "cuda") -> int:
+    """The caching allocator's pool at the peak: allocations rounded to 2 MiB segments plus fragmentation.
+
+    The CPU target (measured runs on this machine) has no caching allocator: what is
+    judged there is what the storage tracker counts.
+    """
+    if kind == "cpu":
+        return int(peak_allocated)
     rounded = -(-peak_allocated // (2 * MiB)) * (2 * MiB)
     return int(rounded * (1 + ALLOCATOR_FRAGMENTATION))
 
 
-def device_total(peak_reserved: int, world_size: int) -> int:
+def device_total(peak_reserved: int, world_size: int, kind: str = "cuda") -> int:
+    """Reserved plus the CUDA context and NCCL; the CPU target has neither (gloo buffers are host memory)."""
+    if kind == "cpu":
+        return int(peak_reserved)
     return peak_reserved + CUDA_CONTEXT_BYTES + nccl_bytes(world_size)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -74,12 +74,32 @@ class Snapshot:
         return sum(self.components.values())
 
 
+def _plain_tensors(items: Iterable) -> Iterator[torch.Tensor]:
+    """The tensors that own memory: wrapper subclasses (FSDP2's DTensor parameters and
+    gradients) are replaced by their inner tensors, whose storages are the real ones (the
+    wrapper reports a storage of the *global* size)."""
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            yield from _plain_tensors(getattr(t, a) for a in attrs)
+        else:
+            yield t
+
+
 class StorageTracker(TorchDispatchMode):
     """Log every storage an op creates, and when it dies."""
 
-    def __init__(self, record_ops: bool = False) -> None:
+    def __init__(self, record_ops: bool = False, budget: int | None = None, skip_meta: bool = False) -> None:
         super().__init__()
         self.record_ops = record_ops
+        # measured runs build models on the meta device (no memory); fake tensors keep
+        # meta storages too, so the simulator leaves this off
+        self.skip_meta = skip_meta
+        # measured runs on the CPU: bytes this rank may hold at once (see _exceeded)
+        self.budget = budget
+        self.budget_hit: dict | None = None
         self._op = ""
         self.log: list[tuple[int, int]] = []  # (storage key, +/- rounded bytes)
         self.recs: dict[int, _Rec] = {}
@@ -121,6 +141,8 @@ class StorageTracker(TorchDispatchMode):
     # -- registration ------------------------------------------------------------------
     def _key_of(self, t: torch.Tensor, create: bool) -> int | None:
         st = t.untyped_storage()
+        if self.skip_meta and st.device.type == "meta":
+            return None
         cdata = st._cdata
         key = self._keys.get(cdata)
         if key is not None or not create:
@@ -132,8 +154,8 @@ class StorageTracker(TorchDispatchMode):
         self._next_key += 1
         self._keys[cdata] = key
         self.recs[key] = _Rec(nbytes, self.phase, self.region, self.step, self._op)
+        weakref.finalize(st, self._free, cdata, key)  # before _add, which may raise (budget)
         self._add(key, nbytes)
-        weakref.finalize(st, self._free, cdata, key)
         return key
 
     def _add(self, key: int, nbytes: int) -> None:
@@ -144,6 +166,8 @@ class StorageTracker(TorchDispatchMode):
             self.peak_event = len(self.log) - 1
             self.peak_phase = self.phase
             self.peak_step = self.step
+        if self.budget is not None and self.live > self.budget and self.budget_hit is None:
+            self._exceeded(nbytes)
 
     def _free(self, cdata: int, key: int) -> None:
         if self._keys.get(cdata) == key:
@@ -155,9 +179,7 @@ class StorageTracker(TorchDispatchMode):
 
     def track(self, tensors: Iterable[torch.Tensor], kind: str | None = None) -> None:
         """Register tensors that exist already (parameters, buffers, states)."""
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _plain_tensors(tensors):
             key = self._key_of(t, create=True)
             if key is None:
                 continue
@@ -182,12 +204,38 @@ class StorageTracker(TorchDispatchMode):
             func is _TO_COPY and isinstance(args[0], torch.Tensor)
             and self._key_of(args[0], create=False) in self.weight_keys
         )
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                key = self._key_of(t, create=True)
-                if weight_copy and key is not None:
-                    self.weight_keys.add(key)
+        for t in _plain_tensors(tree_leaves(out)):
+            key = self._key_of(t, create=True)
+            if weight_copy and key is not None:
+                self.weight_keys.add(key)
         return out
+
+    # -- the CPU memory budget (measured runs) ------------------------------------------
+    def _exceeded(self, nbytes: int) -> None:
+        """Raise ``torch.OutOfMemoryError`` at the allocation that crosses the budget.
+
+        The op has already run (a dispatch mode sees outputs), but its caller never gets
+        the result: the error surfaces from the same op, forward or backward, as CUDA's
+        allocator raises it. Only the first crossing raises; the state is kept in
+        ``budget_hit`` for the result file.
+        """
+        self.budget_hit = {
+            "requested": nbytes, "live_before": self.live - nbytes, "budget": self.budget,
+            "phase": self.phase, "step": self.step, "event": len(self.log) - 1,
+        }
+        mib = 2**20
+        raise torch.OutOfMemoryError(
+            f"CPU out of memory under the autofit budget: tried to allocate {nbytes / mib:.2f} MiB with "
+            f"{(self.live - nbytes) / mib:.2f} MiB allocated; the budget is {self.budget / mib:.2f} MiB "
+            f"(phase {self.phase}, step {self.step})"
+        )
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak = self.live
+        self.peak_event = len(self.log) - 1
+        self.peak_phase = self.phase
+        self.peak_step = self.step
 
     # -- results -----------------------------------------------------------------------
     def snapshot(self, event: int | None = None) -> Snapshot:

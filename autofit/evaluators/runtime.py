@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -113,30 +113,126 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: torch.dtype, device) -> None:
-    """Replace every block Linear by a bitsandbytes NF4 Linear4bit (double-quantized).
+def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: torch.dtype, device,
+                     quant_storage: torch.dtype | None = None) -> None:
+    """Replace every block Linear (GPT-2: Conv1D) by a bitsandbytes NF4 Linear4bit (double-quantized).
 
     Layer by layer, so a model is never held in 16-bit and 4-bit at once beyond one Linear.
+    Modules are matched by the suffix of their qualified name, as PEFT matches
+    ``target_modules`` (BERT's ``output.dense`` must not catch the MLM head's
+    ``transform.dense``). GPT-2's ``Conv1D`` stores its weight transposed (in × out).
+    ``quant_storage``: the packed weights' element type (a float dtype where ZeRO-3/FSDP
+    shard them; default uint8).
     """
+    for name, parent, child_name, child in _quant_targets(model, spec):
+        weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).float().contiguous()
+        setattr(parent, child_name, _linear4bit(weight, child.bias, compute_dtype, device, quant_storage))
+
+
+def _is_conv1d(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _quant_targets(model: torch.nn.Module, spec: ModelSpec):
+    """``(qualified name, parent, attribute, module)`` of every Linear/Conv1D QLoRA quantizes."""
+    targets = [n for n, _, _, _ in spec.linears()]
+    for pname, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not (isinstance(child, torch.nn.Linear) or _is_conv1d(child)):
+                continue
+            name = f"{pname}.{child_name}" if pname else child_name
+            if any(name == t or name.endswith("." + t) for t in targets):
+                yield name, parent, child_name, child
+
+
+def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype, device,
+                quant_storage: torch.dtype | None = None) -> torch.nn.Module:
+    """An NF4 Linear4bit quantized from ``weight`` (out × in) on ``device``."""
     import bitsandbytes as bnb
 
-    names = {n.rsplit(".", 1)[-1] for n, _, _, _ in spec.linears()}
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if child_name not in names or not isinstance(child, torch.nn.Linear):
-                continue
-            q = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=compute_dtype, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT,
-                device="meta",
-            )
-            q.weight = bnb.nn.Params4bit(
-                child.weight.data.float(), requires_grad=False, quant_type=NF4_QUANT_TYPE,
-                compress_statistics=NF4_DOUBLE_QUANT,
-            )
-            if child.bias is not None:
-                q.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
-            setattr(parent, child_name, q.to(device))
+    storage = {} if quant_storage is None else {"quant_storage": quant_storage}
+    out_f, in_f = weight.shape
+    q = bnb.nn.Linear4bit(
+        in_f, out_f, bias=bias is not None, compute_dtype=compute_dtype, quant_type=NF4_QUANT_TYPE,
+        compress_statistics=NF4_DOUBLE_QUANT, device="meta", **storage,
+    )
+    q.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT, **storage,
+    )
+    if bias is not None:
+        q.bias = torch.nn.Parameter(bias.data.to(device=weight.device, dtype=compute_dtype), requires_grad=False)
+    return q.to(device)
+
+
+# -- QLoRA without a 16-bit model: built on meta, materialized and quantized one module at a time --
+def build_quantized_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0,
+                          quant_storage: torch.dtype | None = None) -> torch.nn.Module:
+    """A QLoRA plan's model whose 16-bit base never exists whole (measured runs).
+
+    ``build_model`` materializes every weight in 16-bit, then quantizes: fine for tests,
+    but a 70B model would need 140 GB first. Here the architecture is built on the meta
+    device (buffers real, as accelerate's ``init_empty_weights`` does); then, module by
+    module in definition order, each quantization target gets a
+    random 16-bit weight on ``device`` (the model's own init distribution) that is
+    quantized at once and dropped, and every other module is materialized with the
+    model's own ``_init_weights`` (norms, embeddings, head, rotary buffers). The peak is
+    the unquantized rest (embeddings, norms, head) plus one Linear in 16-bit. The plan's
+    LoRA, checkpointing and attention are then applied as ``build_model`` applies them.
+    """
+    torch.manual_seed(seed)
+    lay = layout(plan)
+    half = half_dtype(plan)
+    cfg = spec.to_hf_config()
+    cfg._attn_implementation = ATTN_IMPL[plan.attention]
+    cfg.use_cache = False
+    cls = hf_model_class(spec)
+    from accelerate import init_empty_weights
+
+    # parameters on meta; buffers (rotary frequencies, position ids) are computed for real
+    with init_empty_weights(include_buffers=False):
+        if cls.__name__ == "AutoModelForCausalLM":
+            model = cls.from_config(cfg, dtype=lay.base_dtype)
+        else:
+            model = cls(cfg).to(lay.base_dtype)
+    std = getattr(cfg, "initializer_range", 0.02) or 0.02
+    targets = {id(m): (parent, attr) for _, parent, attr, m in _quant_targets(model, spec)}
+    for module in list(model.modules()):
+        if id(module) in targets:
+            parent, attr = targets[id(module)]
+            conv = _is_conv1d(module)
+            out_f, in_f = (module.nf, module.nx) if conv else (module.out_features, module.in_features)
+            weight = torch.empty(out_f, in_f, dtype=lay.base_dtype, device=device).normal_(0.0, std)
+            bias = torch.zeros(out_f, dtype=lay.base_dtype, device=device) if module.bias is not None else None
+            setattr(parent, attr, _linear4bit(weight, bias, half, device, quant_storage))
+            del weight, bias
+            continue
+        metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.device.type == "meta"]
+        for n, p in metas:
+            module._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                       requires_grad=p.requires_grad)
+        if metas:
+            model._init_weights(module)
+    model.tie_weights()
+    model.to(device)  # the buffers
+    return _apply_plan(model, spec, plan)
+
+
+def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn.Module:
+    """LoRA adapters (in the adapter dtype), checkpointing and train mode, as build_model does."""
+    lay = layout(plan)
+    if plan.is_peft:
+        from peft import get_peft_model
+
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
+        for _, p in model.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.to(lay.adapter_dtype)
+    if plan.checkpointing is Checkpointing.FULL:
+        enable_checkpointing(model, {"use_reentrant": False})
+    model.train()
+    return model
 
 
 def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.Optimizer:
@@ -242,12 +338,20 @@ class StepRunner:
     """Runs forward, loss, backward and the optimizer step of a plan, micro-batch by micro-batch."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None) -> None:
+                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None,
+                 backward: Callable[[torch.Tensor], None] | None = None,
+                 micro_batch_context: Callable[[int, int], Any] | None = None) -> None:
+        """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
+        ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
+        DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``)."""
         self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
         self.device = torch.device(device)
         self.tracker = tracker
+        self._backward = backward
+        self._micro_context = micro_batch_context
         self.lay = layout(plan)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = unwrap(model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         self.base = base
         self.head = base.get_output_embeddings()
         cfg = base.config
@@ -257,7 +361,7 @@ class StepRunner:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
         if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as activations
-            enable_checkpointing(model, {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
+            enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
     def _enter_logits(self, module, args):
@@ -300,17 +404,22 @@ class StepRunner:
     def step(self, batches: list[dict[str, torch.Tensor]], step: int = 0) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
         losses = []
-        for batch in batches:
-            with self._phase("forward", step), self._autocast():
-                loss = self.loss(batch) / len(batches)
-            if self.tracker is not None:
-                self.tracker.region = ""
-            with self._phase("backward", step):
-                if self.tracker is not None:
-                    self.tracker.region = "logits"
-                loss.backward()
+        for i, batch in enumerate(batches):
+            micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
+            with micro:
+                with self._phase("forward", step), self._autocast():
+                    loss = self.loss(batch) / len(batches)
                 if self.tracker is not None:
                     self.tracker.region = ""
+                with self._phase("backward", step):
+                    if self.tracker is not None:
+                        self.tracker.region = "logits"
+                    if self._backward is not None:
+                        self._backward(loss)
+                    else:
+                        loss.backward()
+                    if self.tracker is not None:
+                        self.tracker.region = ""
             losses.append(float(loss.detach()) if loss.device.type != "meta" and not _is_fake(loss) else 0.0)
             del loss
         if self.tracker is not None:
@@ -325,6 +434,13 @@ class StepRunner:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP / DeepSpeed's engine (FSDP2 shards in place and needs none)."""
+    while type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):
+        model = model.module
+    return model
 
 
 def _is_fake(t: torch.Tensor) -> bool:

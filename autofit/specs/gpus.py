@@ -174,6 +174,27 @@ def cpu_device(memory_bytes: int | None = None) -> GPUSpec:
     )
 
 
+def match_gpu(device_name: str, total_memory: int) -> GPUSpec | None:
+    """The catalog entry of a CUDA device, from ``torch.cuda.get_device_name`` and its memory.
+
+    Device names carry more than the model (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB
+    HBM3``): the longest catalog model name contained in the device name wins (``A10G``
+    over ``A10``, ``H100-PCIE`` over ``H100``), and memory decides between sizes of one
+    model (A100 40 GB / 80 GB). None when nothing matches.
+    """
+    dev = _norm(device_name)
+
+    def model(g: GPUSpec) -> str:
+        return _norm(g.name.rsplit("-", 1)[0] if g.name.endswith("GB") else g.name)
+
+    hits = [g for g in GPUS.values() if model(g) in dev]
+    if not hits:
+        return None
+    longest = max(len(model(g)) for g in hits)
+    hits = [g for g in hits if len(model(g)) == longest]
+    return min(hits, key=lambda g: abs(g.memory_bytes - total_memory))
+
+
 def resolve_gpu(name: str) -> GPUSpec:
     """Look up a GPU by name, case- and punctuation-insensitively (``a100-80gb``, ``rtx4090``).
 

@@ -198,6 +198,8 @@ def request_key(ctx: EvalContext, *, backend: str, allowed: Mapping[str, Iterabl
         "backend": backend,
         "headroom": round(float(ctx.headroom), 9),
     }
+    if ctx.cluster.gpu.kind == "cpu":  # the CPU target's memory is the request's budget (--cpu-mem-budget)
+        blob["cpu_memory_bytes"] = ctx.cluster.gpu.memory_bytes
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:32]
 
 

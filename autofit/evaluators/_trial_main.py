@@ -1,0 +1,591 @@
+"""One rank of a measured trial: a short real training run of one plan.
+
+Started by :mod:`autofit.evaluators.measured` as ``python -m autofit.evaluators._trial_main
+SPEC`` (one process) or, for several ranks or an engine, under ``accelerate launch
+--config_file <the exported accelerate_config.yaml> -m autofit.evaluators._trial_main SPEC``.
+``SPEC`` is the trial's JSON (see ``measured.trial_spec``); everything this process
+writes goes next to it:
+
+- ``progress.jsonl``: rank 0 appends one JSON line per step (step, tokens/s, peak so far);
+  the parent tails it and may stop the run (pruning).
+- ``rank-<r>.json``: every rank, always: its status (``completed``, ``oom``, ``failed``),
+  memory, and the error if any. Ranks write their own files because a rank that fails
+  cannot rely on the others to gather its story.
+- ``result.json``: rank 0, on success: timing, and every rank's memory (gathered).
+
+The step is :class:`autofit.evaluators.runtime.StepRunner`'s: the same model builder,
+optimizer, batches and loss the simulator and the tests use. Multi-rank plans hand the
+model and optimizer to the engine the launcher set up from the exported files
+(``accelerate.prepare``: DDP or DeepSpeed), with ``accelerator.accumulate`` and
+``accelerator.backward`` around each micro-batch as the Trainer does. A fused loss is
+Liger's kernel where it runs (CUDA, installed, a family it patches), applied as the
+Trainer applies ``use_liger_kernel``; elsewhere runtime's chunked loss, which holds one
+chunk of logits as Liger does.
+
+FSDP on the CPU: accelerate's state machine never selects FSDP without an accelerator
+device (``distributed_type`` stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the
+launcher's environment says FSDP (``ACCELERATE_USE_FSDP``, from the exported YAML) and
+accelerate did not set it up, this process installs the FSDP plugin read from that same
+environment (``FSDP_*``: the exported ``fsdp_config``) and switches the state to FSDP
+before ``prepare``, so accelerate's own FSDP2 path (``fully_shard`` per decoder layer,
+mixed-precision policy, activation checkpointing) runs over the gloo group the launcher
+created. The result records that it did (``engine.fsdp_applied_by``).
+
+Memory: on the CPU the :class:`~autofit.evaluators.memtrack.StorageTracker` is the
+measurement (the same tracker as the simulator's, which makes the two comparable) and
+enforces the per-rank budget by raising ``torch.OutOfMemoryError`` at the first
+allocation over it; it runs from before the model is built through the warm-up steps;
+the timed steps run without it so its Python-level bookkeeping does not slow them. The
+peak is reset after setup (as ``torch.cuda.reset_peak_memory_stats`` would be), so
+``peak_allocated`` is the training step's; the setup peak is kept beside it. On CUDA:
+``max_memory_allocated``/``max_memory_reserved`` over the warm-up and timed steps, the
+device-level figure from NVML (or ``mem_get_info``), and the anatomy from the tracker
+during the warm-up steps.
+
+A test-only hook, ``AUTOFIT_TEST_TRIAL_FAULT``, makes a rank misbehave for real at a
+step: ``crash@N`` raises, ``hang@N`` sleeps forever ignoring SIGTERM (the parent must
+escalate to SIGKILL). ``kind@N:PLAN_ID`` limits it to one plan; ``;`` separates several.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+FAULT_ENV = "AUTOFIT_TEST_TRIAL_FAULT"
+EXIT_OOM = 3  # any other non-zero exit is a failure
+TAIL_LINES = 20
+
+
+# -- the spec --------------------------------------------------------------------------------
+def load_spec(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def model_spec(d: dict[str, Any]):
+    from autofit.specs import ModelSpec
+
+    d = dict(d)
+    d["hf_extra"] = tuple(sorted((d.get("hf_extra") or {}).items()))
+    return ModelSpec(**d)
+
+
+def workload(d: dict[str, Any]):
+    from autofit.specs import LengthDistribution, Workload
+
+    lengths = None
+    if d.get("lengths"):
+        hist = tuple((int(n), int(c)) for n, c in d["lengths"]["histogram"])
+        lengths = LengthDistribution(hist, d["lengths"].get("source", ""))
+    return Workload(seq_len=d["seq_len"], global_batch=d["global_batch"], lengths=lengths)
+
+
+# -- faults (tests only) ------------------------------------------------------------------------
+def injected_fault(plan_id: str, step: int) -> None:
+    """Misbehave for real at ``step`` when ``AUTOFIT_TEST_TRIAL_FAULT`` asks for it (tests)."""
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        kind, _, rest = item.partition("@")
+        at, _, only = rest.partition(":")
+        if int(at) != step or (only and only != plan_id):
+            continue
+        if kind == "crash":
+            raise RuntimeError(f"injected crash at step {step} ({FAULT_ENV})")
+        if kind == "hang":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(3600)
+
+
+# -- memory probes --------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def cuda_device_used(index: int) -> int | None:
+    """Device-level bytes in use (what nvidia-smi shows): NVML when importable, else mem_get_info."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except Exception:  # noqa: BLE001 - NVML missing or not permitted: torch's figure
+        import torch
+
+        free, total = torch.cuda.mem_get_info(index)
+        return int(total - free)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+class Setup:
+    """What one rank trains with: the (prepared) model, optimizer and how a step is driven."""
+
+    def __init__(self, model, optimizer, *, accelerator=None, backward=None, micro_batch_context=None,
+                 engine: dict[str, Any] | None = None, step_plan=None):
+        self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
+        self.backward, self.micro_batch_context = backward, micro_batch_context
+        self.engine = engine or {}
+        self.step_plan = step_plan
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def build(spec, plan, device: str, seed: int):
+    from autofit.evaluators import runtime as rt
+    from autofit.plan import Method, Sharding
+
+    if plan.method is Method.QLORA:
+        import torch
+
+        sharded = plan.sharding in (Sharding.ZERO3, Sharding.FSDP)
+        storage = rt.half_dtype(plan) if sharded else None  # the export's bnb_4bit_quant_storage
+        return rt.build_quantized_model(spec, plan, device, seed=seed, quant_storage=storage or torch.uint8)
+    return rt.build_model(spec, plan, device, seed=seed)
+
+
+def liger(spec, plan, device: str, model) -> bool:
+    """Fuse the loss with Liger's kernel where the exported trainer_args ask for it and it runs
+    (CUDA, liger-kernel installed, a family it patches): the Trainer's own call, on the base model."""
+    from autofit.export.trainer import LIGER_FAMILIES, LIGER_LOSS_ONLY
+
+    if not plan.fused_loss or device != "cuda" or spec.model_type not in LIGER_FAMILIES:
+        return False
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _apply_liger_kernel_to_instance(model=base, **LIGER_LOSS_ONLY)
+    return True
+
+
+def _loss_plan(spec, plan, device: str, model):
+    """The plan the step runs: with Liger patched in, the model's own forward computes the
+    fused loss (StepRunner's plain path); otherwise runtime's chunked loss stands in."""
+    if liger(spec, plan, device, model):
+        return plan.replace(fused_loss=False), "liger"
+    return plan, ("chunked" if plan.fused_loss else None)
+
+
+def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> Setup:
+    """Build the model and optimizer; hand them to the engine the launcher configured."""
+    import torch
+
+    from autofit.evaluators import runtime as rt
+    from autofit.plan import Checkpointing
+
+    if launcher == "python":  # one process, plain torch
+        model = build(spec, plan, device, seed)
+        step_plan, fused = _loss_plan(spec, plan, device, model)
+        optimizer = rt.make_optimizer(plan, model)
+        engine = {"distributed_type": "NO", "world_size": 1, "model_class": type(model).__name__,
+                  "optimizer_class": type(optimizer).__name__, "fused_loss": fused, **_model_facts(model)}
+        return Setup(model, optimizer, engine=engine, step_plan=step_plan)
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    use_ds = _flag("ACCELERATE_USE_DEEPSPEED")
+    # DeepSpeed: Accelerator(cpu=True) would silently drop it; its CPU accelerator needs no flag
+    acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum)
+    engine: dict[str, Any] = {"world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                              else 1}
+    step_plan = plan
+    fsdp_by_us = _flag("ACCELERATE_USE_FSDP") and acc.distributed_type is not DistributedType.FSDP
+    if fsdp_by_us:
+        _switch_to_fsdp(acc)
+    if acc.distributed_type is DistributedType.FSDP and plan.checkpointing is Checkpointing.FULL:
+        # FSDP checkpoints each wrapped layer itself (fsdp_activation_checkpointing); the
+        # model's own checkpointing stays off, as the exported trainer_args say
+        step_plan = plan.replace(checkpointing=Checkpointing.NONE)
+    with _zero3_init(acc) if use_ds else contextlib.nullcontext():
+        model = build(spec, step_plan, device, seed)
+    step_plan, engine["fused_loss"] = _loss_plan(spec, step_plan, device, model)
+    if use_ds:
+        from accelerate.utils import DummyOptim
+
+        ds_cfg = acc.state.deepspeed_plugin.deepspeed_config
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = DummyOptim(params) if "optimizer" in ds_cfg else rt.make_optimizer(plan, model)
+    else:
+        optimizer = rt.make_optimizer(plan, model)
+    facts = _model_facts(model)
+    model, optimizer = acc.prepare(model, optimizer)
+    engine.update(_describe(acc, model, optimizer), **facts)
+    engine["fsdp_applied_by"] = "autofit (accelerate does not select FSDP on the CPU)" if fsdp_by_us else (
+        "accelerate" if acc.distributed_type is DistributedType.FSDP else None)
+    backward = acc.backward
+    if use_ds:
+        backward = _deepspeed_backward(acc, model, tracker)
+    return Setup(model, optimizer, accelerator=acc, backward=backward,
+                 micro_batch_context=lambda i, n: acc.accumulate(model), engine=engine, step_plan=step_plan)
+
+
+@contextlib.contextmanager
+def _zero3_init(acc):
+    """Build under ``deepspeed.zero.Init`` exactly when the exported ``zero3_init_flag`` says so.
+
+    accelerate registers its DeepSpeed config with transformers whatever the flag, and
+    ``from_config`` then partitions at construction for any ZeRO-3 config; the export turns
+    the flag off for QLoRA (from_pretrained skips zero.Init for 4-bit weights), so here too.
+    """
+    plugin = acc.state.deepspeed_plugin
+    if plugin.zero_stage != 3 or _flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def _deepspeed_backward(acc, engine, tracker):
+    """``accelerator.backward`` under DeepSpeed (engine backward, and its step at the accumulation
+    boundary), with the engine's step seen by the tracker as the optimizer phase it is."""
+    def backward(loss):
+        boundary = acc.sync_gradients
+        engine.set_gradient_accumulation_boundary(is_boundary=boundary)
+        engine.backward(loss)
+        if boundary:
+            with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
+                engine.step()
+
+    return backward
+
+
+def _switch_to_fsdp(acc) -> None:
+    """Select accelerate's FSDP path where its state machine refused it (the CPU; see module doc)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_*: the exported fsdp_config
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)
+    state = acc.state
+    state.fsdp_plugin = plugin
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+
+
+def _model_facts(model) -> dict[str, Any]:
+    """What the plan made of the model (before an engine reshapes it): 4-bit layers, trainables, checkpointing."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    inner = getattr(model, "get_base_model", lambda: model)()
+    return {
+        "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trainable}),
+        "checkpointing": bool(getattr(inner, "is_activation_checkpointing",
+                                      getattr(inner, "is_gradient_checkpointing", False))),
+    }
+
+
+def _describe(acc, model, optimizer) -> dict[str, Any]:
+    """What really runs: accelerate's view, the engine's class and its settings."""
+    import torch
+
+    out: dict[str, Any] = {
+        "distributed_type": str(acc.distributed_type.value),
+        "num_processes": acc.num_processes,
+        "mixed_precision": acc.mixed_precision,
+        "model_class": type(model).__name__,
+        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+    }
+    if type(model).__name__ == "DeepSpeedEngine":
+        out.update(
+            zero_stage=model.zero_optimization_stage(),
+            train_batch_size=model.train_batch_size(),
+            micro_batch=model.train_micro_batch_size_per_gpu(),
+            grad_accum=model.gradient_accumulation_steps(),
+            zero_optimizer=type(model.optimizer).__name__,
+            inner_optimizer=type(getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
+            bf16=model.bfloat16_enabled(),
+        )
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:
+            p = next(model.parameters())
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out.update(
+                fsdp_modules=len(sharded),
+                fsdp_param_type=type(p).__name__,
+                fsdp_placements=[str(x) for x in getattr(p, "placements", ())],
+                fsdp_local_numel=local.numel(),
+                fsdp_global_numel=p.numel(),
+            )
+    except ImportError:
+        pass
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        out["ddp"] = True
+    # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
+    # (isinstance: fully_shard renames the class of what it shards)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    out["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    return out
+
+
+def _engine_marks(tracker, setup: Setup) -> None:
+    """Tell the tracker which engine buffers are gradients / optimizer state / weights."""
+    model = setup.model
+    if type(model).__name__ == "DeepSpeedEngine":
+        zopt = model.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            tracker.mark(list(getattr(zopt, attr, None) or []), "optimizer")
+        for attr in ("averaged_gradients",):
+            grads = getattr(zopt, attr, None)
+            if isinstance(grads, dict):
+                tracker.mark([g for gs in grads.values() for g in (gs or []) if g is not None], "gradients")
+        tracker.mark([p.ds_tensor for p in model.module.parameters() if hasattr(p, "ds_tensor")], "weights")
+    inner = getattr(setup.optimizer, "optimizer", setup.optimizer)
+    inner = getattr(inner, "optimizer", inner)  # DeepSpeed's ZeRO optimizer wraps torch's
+    params = {id(p) for p in model.parameters()}
+    masters = [p for g in getattr(inner, "param_groups", []) for p in g["params"] if id(p) not in params]
+    tracker.mark([_local(p) for p in masters], "optimizer")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# -- the run ------------------------------------------------------------------------------------
+class Trial:
+    def __init__(self, spec_path: str):
+        self.path = Path(spec_path)
+        self.dir = self.path.parent
+        self.spec = load_spec(spec_path)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.memory: dict[str, Any] = {}
+        self.tracker = None
+
+    def progress(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        with open(self.dir / "progress.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+    def write(self, name: str, data: dict[str, Any]) -> None:
+        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(tmp, self.dir / name)
+
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        from autofit.evaluators import runtime as rt
+        from autofit.evaluators.memtrack import StorageTracker
+        from autofit.plan import Plan
+
+        s = self.spec
+        spec, plan, wl = model_spec(s["model"]), Plan.from_dict(s["plan"]), workload(s["workload"])
+        device = s["device"]
+        seed = int(s.get("seed", 0))
+        cuda = device == "cuda"
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dev = torch.device("cuda", local)
+        else:
+            dev = torch.device("cpu")
+        budget = s.get("cpu_mem_budget") if not cuda else None
+        tracker = StorageTracker(budget=budget, skip_meta=True)
+        self.tracker = tracker
+        self.write(f"rank-{self.rank}.json", {"rank": self.rank, "pid": os.getpid(), "status": "running"})
+
+        tracker.__enter__()
+        tracking = True
+        try:
+            with tracker.in_phase("setup"):
+                setup = set_up(spec, plan, "cuda" if cuda else "cpu", s["launcher"], seed, tracker)
+            model = setup.model
+            tracker.track(list(model.parameters()) + list(model.buffers()), "weights")
+            _engine_marks(tracker, setup)
+            self.memory["setup_peak_bytes"] = tracker.peak
+            tracker.reset_peak()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            runner = rt.StepRunner(spec, setup.step_plan, model, setup.optimizer, device=dev, tracker=tracker,
+                                   backward=setup.backward, micro_batch_context=setup.micro_batch_context)
+            self.write(f"rank-{self.rank}.json", {"rank": self.rank, "pid": os.getpid(), "status": "running",
+                                                  "engine": setup.engine})
+            warmup, timed = int(s["warmup_steps"]), int(s["timed_steps"])
+            times, tokens, losses, device_used = [], [], [], []
+            for step in range(warmup + timed):
+                if step == warmup and tracking:
+                    _engine_marks(tracker, setup)
+                    snap = tracker.snapshot()
+                    self.memory.update(tracked_peak=tracker.peak, components=snap.components,
+                                       peak_phase=snap.peak_phase, peak_step=snap.peak_step)
+                    tracker.__exit__(None, None, None)
+                    tracking = False
+                injected_fault(plan.plan_id, step)
+                # warm-up steps take the worst case of the length distribution (memory),
+                # timed steps samples of it (speed); ranks see different data
+                batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank,
+                                         worst_case=step < warmup)
+                n_tok = sum(rt.real_tokens(b) for b in batches)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = runner.step(batches, step=step)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                if cuda:
+                    device_used.append(cuda_device_used(dev.index))
+                losses.append(loss)
+                if step >= warmup:
+                    times.append(dt)
+                    tokens.append(n_tok)
+                peak = torch.cuda.max_memory_allocated(dev) if cuda else tracker.peak
+                self.progress({"step": step, "warmup": step < warmup, "step_time_s": dt,
+                               "tokens_per_sec": n_tok * self.world / dt, "peak_bytes": int(peak)})
+            if tracking:  # no timed steps
+                _engine_marks(tracker, setup)
+                snap = tracker.snapshot()
+                self.memory.update(tracked_peak=tracker.peak, components=snap.components,
+                                   peak_phase=snap.peak_phase, peak_step=snap.peak_step)
+                tracker.__exit__(None, None, None)
+                tracking = False
+        finally:
+            if tracking:
+                tracker.__exit__(None, None, None)
+        runner.close()
+        if cuda:
+            self.memory.update(
+                peak_allocated=int(torch.cuda.max_memory_allocated(dev)),
+                peak_reserved=int(torch.cuda.max_memory_reserved(dev)),
+                device_total=int(max(device_used)) if device_used else 0,
+            )
+        else:
+            peak = int(self.memory["tracked_peak"])
+            # no caching allocator and no context on the CPU: the tracked tensors are the device
+            self.memory.update(peak_allocated=peak, peak_reserved=peak, device_total=peak)
+        self.memory.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes())
+        return {
+            "engine": setup.engine,
+            "step_times_s": times,
+            "real_tokens": tokens,
+            "losses": losses,
+            "loss_finite": all(math.isfinite(x) for x in losses),
+        }
+
+    def close(self) -> None:
+        """Leave the process group before exiting: gloo's threads abort an interpreter that exits inside it."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        if self.world > 1 and dist.is_initialized():
+            out: list[Any] = [None] * self.world
+            dist.all_gather_object(out, mine)
+            return out
+        return [mine]
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m autofit.evaluators._trial_main TRIAL_SPEC.json", file=sys.stderr)
+        return 2
+    trial = Trial(argv[1])
+    rank_file = f"rank-{trial.rank}.json"
+    base = {"rank": trial.rank, "pid": os.getpid(), "world_size": trial.world}
+    try:
+        out = trial.run()
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, classified by type
+        import torch
+
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        tb = traceback.format_exc().strip().splitlines()
+        hit = getattr(trial.tracker, "budget_hit", None)
+        memory = dict(trial.memory)
+        if oom and hit is not None:
+            snap = trial.tracker.snapshot(hit["event"])
+            memory.update(components=snap.components, peak_allocated=snap.peak, peak_reserved=snap.peak,
+                          device_total=snap.peak, peak_phase=hit["phase"], peak_step=hit["step"])
+        trial.write(rank_file, {**base, "status": "oom" if oom else "failed",
+                                "error": f"{type(exc).__name__}: {exc}".strip(), "traceback": tb[-TAIL_LINES:],
+                                "budget_hit": hit, "memory": memory})
+        sys.stdout.flush()
+        print(f"autofit trial rank {trial.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # leave at once: a rank that stops must not wait for collectives the others will never join
+        os._exit(EXIT_OOM if oom else 1)
+    mine = {**base, "status": "completed", "memory": trial.memory, "real_tokens": out["real_tokens"],
+            "engine": out["engine"]}
+    trial.write(rank_file, mine)
+    ranks = trial.gather(mine)
+    if trial.rank == 0:
+        times = out["step_times_s"]
+        tokens_per_step = sum(sum(r["real_tokens"]) for r in ranks) / max(1, len(times))
+        step_time = sum(times) / len(times) if times else 0.0
+        trial.write("result.json", {
+            "status": "completed",
+            "device": trial.spec["device"],
+            "device_name": _device_name(trial.spec["device"]),
+            "world_size": trial.world,
+            "engine": out["engine"],
+            "step_times_s": times,
+            "step_time_s": step_time,
+            "tokens_per_step": tokens_per_step,
+            "tokens_per_sec": tokens_per_step / step_time if step_time else 0.0,
+            "losses": out["losses"],
+            "loss_finite": out["loss_finite"],
+            "ranks": ranks,
+        })
+    trial.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the results are on disk; skip the interpreter's teardown, where threads left by gloo
+    # and the engines can abort the process ("terminate called without an active exception")
+    os._exit(code)

@@ -1,0 +1,505 @@
+"""The measured evaluator: a short real run of the plan on this machine's devices.
+
+``MeasuredEvaluator.evaluate(plan, ctx, on_step)`` writes a trial spec (JSON) into a
+trial directory and starts the child, :mod:`autofit.evaluators._trial_main`:
+
+- plain torch on one rank: ``python -m autofit.evaluators._trial_main SPEC``;
+- several ranks, or an engine (DeepSpeed, FSDP): the plan is exported into the trial
+  directory (``export_plan``: the files a user gets) and launched with ``python -m
+  accelerate.commands.launch --config_file accelerate_config.yaml -m
+  autofit.evaluators._trial_main SPEC``, so the files the user launches are the files
+  that ran. Only the rendezvous port is added (a free one: trials and other jobs share
+  the machine).
+
+The child runs in a new session (its own process group). The parent tails the child's
+``progress.jsonl`` (one JSON line per step from rank 0), calls ``on_step`` with each
+step, and enforces the timeout; on timeout, or when ``on_step`` returns False (pruned),
+it kills the whole process tree: torchrun starts every worker in a session of its own,
+so the launcher's group alone would leave them behind (see :func:`kill_tree`).
+
+The outcome is classified from the child's structured files (``result.json``, one
+``rank-<r>.json`` per rank) and its exit status, never from its logs: ``fits`` or
+``oom`` (judged against the budget), ``oom`` (``torch.OutOfMemoryError``, or the CPU
+budget crossed, at the first allocation over it), ``timeout``, ``pruned``, ``failed``
+(with the error and the last lines of stderr).
+
+On the CPU target (``--gpus 1xcpu``/``2xcpu``) the device is the host; the per-rank
+budget is the target's memory (``--cpu-mem-budget``) and is enforced by the storage
+tracker; ``peak_reserved`` and ``device_total`` equal ``peak_allocated`` (there is no
+caching allocator and no context), and process RSS is reported as host memory.
+Linux only (process trees are read from ``/proc``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from autofit.errors import AutofitError
+from autofit.evaluators.base import (
+    COMPONENTS,
+    EvalContext,
+    Evaluator,
+    MemoryAnatomy,
+    Status,
+    StepCallback,
+    StepReport,
+    Throughput,
+    TrialResult,
+    judge,
+)
+from autofit.plan import Offload, Optimizer, Plan
+
+DEFAULT_WARMUP_STEPS = 2  # the first step creates the optimizer states, the second is steady
+DEFAULT_TIMED_STEPS = 3
+DEFAULT_TIMEOUT_S = 900.0
+STDERR_TAIL_LINES = 30
+POLL_S = 0.1
+KILL_GRACE_S = 3.0
+
+CHILD_MODULE = "autofit.evaluators._trial_main"
+EXIT_OOM = 3  # _trial_main.EXIT_OOM (not imported: that module is the child's)
+
+
+@dataclass(frozen=True)
+class MeasuredOptions:
+    """How a measured trial runs. ``cpu_mem_budget``: bytes per rank on the CPU target
+    (default: the target's memory, which ``--cpu-mem-budget`` sets). ``work_dir``: keep each
+    trial's directory there (spec, exported files, logs, results); default: a temporary
+    directory removed after the trial. ``env``: extra environment for the child."""
+
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    timed_steps: int = DEFAULT_TIMED_STEPS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    cpu_mem_budget: int | None = None
+    work_dir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.warmup_steps < 1:
+            problems.append(f"warm-up steps must be at least 1 (the tracked step), got {self.warmup_steps}")
+        if self.timed_steps < 1:
+            problems.append(f"timed steps must be at least 1, got {self.timed_steps}")
+        if self.timeout_s <= 0:
+            problems.append(f"the trial timeout must be positive, got {self.timeout_s}")
+        if self.cpu_mem_budget is not None and self.cpu_mem_budget <= 0:
+            problems.append(f"the CPU memory budget must be positive, got {self.cpu_mem_budget}")
+        if problems:
+            raise AutofitError("; ".join(problems))
+
+
+def target_device(ctx: EvalContext) -> str:
+    """``cpu`` for the local-CPU target, else ``cuda``; raises when this machine cannot run it."""
+    cluster = ctx.cluster
+    if cluster.nodes != 1:
+        raise AutofitError(f"measured runs use this machine only; {cluster.label} spans {cluster.nodes} nodes")
+    if cluster.gpu.kind == "cpu":
+        return "cpu"
+    local = local_gpus()
+    if not local_gpus_match(cluster, local):
+        have = f"{len(local)}x{local[0].name if local[0] else 'unknown GPU'}" if local else "no CUDA GPU"
+        raise AutofitError(f"--backend measured needs {cluster.label} on this machine; it has {have}")
+    return "cuda"
+
+
+def local_gpus_match(cluster, local: list | None = None) -> bool:
+    """The target is this machine: same GPU model, at least as many of them, one node."""
+    local = local_gpus() if local is None else local
+    if cluster.nodes != 1 or len(local) < cluster.gpus_per_node:
+        return False
+    return all(g is not None and g.name == cluster.gpu.name for g in local[: cluster.gpus_per_node])
+
+
+def not_measurable(plan: Plan, ctx: EvalContext, device: str) -> str:
+    """Why this plan cannot be measured here ('' when it can)."""
+    if device == "cpu":
+        if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+            return "paged-adamw-8bit pages optimizer states through CUDA unified memory; it has no CPU path"
+        if plan.offload is not Offload.NONE:
+            return "offloading to host memory moves nothing when the device is the host (CPU target)"
+    if plan.fused_loss and (plan.engine != "torch" or ctx.cluster.world_size > 1) and not liger_runs(ctx, device):
+        return ("the chunked loss calls the model body outside the engine's forward (DDP, DeepSpeed, FSDP); "
+                "without Liger (CUDA), a fused loss is measured in single-process runs only")
+    return ""
+
+
+def liger_runs(ctx: EvalContext, device: str) -> bool:
+    """Liger's fused loss will be used by the child (see ``_trial_main.liger``)."""
+    import importlib.util
+
+    from autofit.export.trainer import LIGER_FAMILIES
+
+    return (device == "cuda" and ctx.model.model_type in LIGER_FAMILIES
+            and importlib.util.find_spec("liger_kernel") is not None)
+
+
+def launcher(plan: Plan, ctx: EvalContext) -> str:
+    """``python`` for one plain-torch rank, else ``accelerate`` (launched with the exported files)."""
+    return "python" if ctx.cluster.world_size == 1 and plan.engine == "torch" else "accelerate"
+
+
+def trial_spec(plan: Plan, ctx: EvalContext, opts: MeasuredOptions, device: str, budget: int | None) -> dict:
+    """What the child needs, as JSON: the architecture (not its name), plan, workload, steps."""
+    return {
+        "model": ctx.model.as_dict(),
+        "plan": plan.as_dict(),
+        "workload": ctx.workload.as_dict(),
+        "device": device,
+        "launcher": launcher(plan, ctx),
+        "world_size": ctx.cluster.world_size,
+        "warmup_steps": opts.warmup_steps,
+        "timed_steps": opts.timed_steps,
+        "cpu_mem_budget": budget,
+        "seed": opts.seed,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(plan: Plan, ctx: EvalContext, spec_path: Path, port: int | None = None) -> list[str]:
+    """The child's argv (run in the trial directory)."""
+    if launcher(plan, ctx) == "python":
+        return [sys.executable, "-m", CHILD_MODULE, str(spec_path)]
+    from autofit.export.common import ACCELERATE_CONFIG_NAME
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIG_NAME,
+            "--main_process_port", str(port or free_port()), "-m", CHILD_MODULE, str(spec_path)]
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """The child's environment: this process's, with the autofit being run first on the path.
+
+    ``ACCELERATE_*``/``FSDP_*`` left over in this environment would change what the
+    launcher sets up from the exported files, so they are dropped.
+    """
+    import autofit
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    root = str(Path(autofit.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.update(extra)
+    return env
+
+
+# -- the process tree ----------------------------------------------------------------------------
+def _ppid_and_pgid(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), int(fields[2])
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (whatever session or group it moved to)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _ppid_and_pgid(int(entry))
+            if info:
+                children.setdefault(info[0], []).append(int(entry))
+    out: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (zombies, which hold nothing but a table entry, do not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def kill_tree(proc: subprocess.Popen) -> set[int]:
+    """SIGTERM, then SIGKILL, the child, its group, and every process below it; returns the pids.
+
+    The tree is read before each signal and while waiting: once a launcher dies its
+    workers are re-parented and no longer findable from it. A process that ignores
+    SIGTERM gets SIGKILL after ``KILL_GRACE_S``.
+    """
+    seen: set[int] = set()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        seen |= descendants(proc.pid) | {proc.pid}
+        _signal(seen, sig)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline and any(alive(p) for p in seen):
+            if proc.poll() is None:
+                seen |= descendants(proc.pid)
+            time.sleep(0.05)
+        if not any(alive(p) for p in seen):
+            break
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    return seen
+
+
+def _signal(pids: set[int], sig: signal.Signals) -> None:
+    groups = {info[1] for p in pids if (info := _ppid_and_pgid(p))}
+    for g in groups - {os.getpgrp(), 0, 1}:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def local_gpus() -> list:
+    """This machine's CUDA GPUs as catalog entries (``[]`` without CUDA; None entries unknown)."""
+    if sys.platform == "linux" and not os.path.exists("/proc/driver/nvidia/version"):
+        return []  # no NVIDIA driver: answer without importing torch (``auto`` asks on every command)
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    from autofit.specs.gpus import match_gpu
+
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append(match_gpu(props.name, props.total_memory))
+    return out
+
+
+# -- the evaluator -------------------------------------------------------------------------------
+class MeasuredEvaluator(Evaluator):
+    """A short real run on this machine: warm-up steps (memory), then timed steps (speed)."""
+
+    name = "measured"
+
+    def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, timed_steps: int = DEFAULT_TIMED_STEPS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cpu_mem_budget: int | None = None,
+                 work_dir: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                 seed: int = 0) -> None:
+        self.options = MeasuredOptions(warmup_steps, timed_steps, float(timeout_s), cpu_mem_budget,
+                                       str(work_dir) if work_dir is not None else None, dict(env or {}), seed)
+
+    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+        opts = self.options
+        t0 = time.perf_counter()
+        device = target_device(ctx)
+        budget = (opts.cpu_mem_budget or ctx.capacity_bytes) if device == "cpu" else None
+        base_extra: dict[str, Any] = {"device": device, "world_size": ctx.cluster.world_size,
+                                      "warmup_steps": opts.warmup_steps, "timed_steps": opts.timed_steps}
+        if budget is not None:
+            base_extra["cpu_mem_budget"] = budget
+        why = not_measurable(plan, ctx, device)
+        if why:
+            return TrialResult(plan, Status.FAILED, self.name, capacity_bytes=ctx.capacity_bytes,
+                               reason=f"not measurable here: {why}", extra={**base_extra, "launched": False})
+
+        if opts.work_dir:
+            Path(opts.work_dir).mkdir(parents=True, exist_ok=True)
+        trial_dir = Path(tempfile.mkdtemp(prefix=f"trial-{plan.plan_id}-", dir=opts.work_dir))
+        try:
+            return self._run(plan, ctx, on_step, trial_dir, device, budget, base_extra, t0)
+        finally:
+            if not opts.work_dir:
+                shutil.rmtree(trial_dir, ignore_errors=True)
+
+    def _run(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None, trial_dir: Path, device: str,
+             budget: int | None, extra: dict[str, Any], t0: float) -> TrialResult:
+        from autofit.export import export_plan
+
+        opts = self.options
+        # the files a user gets; for engine / multi-rank plans they are what the launcher reads
+        exported = export_plan(plan, ctx, trial_dir)
+        extra["exported_sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in exported}
+        spec_path = trial_dir / "trial.json"
+        spec_path.write_text(json.dumps(trial_spec(plan, ctx, opts, device, budget), indent=1))
+        cmd = launch_command(plan, ctx, spec_path)
+        extra["launch"] = " ".join(["python" if a == sys.executable else a for a in cmd[:-1]] + ["trial.json"])
+        if opts.work_dir:
+            extra["trial_dir"] = str(trial_dir)
+
+        with open(trial_dir / "stdout.log", "wb") as out, open(trial_dir / "stderr.log", "wb") as err:
+            proc = subprocess.Popen(cmd, cwd=trial_dir, env=child_env(opts.env), stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                stopped, last = self._watch(proc, trial_dir, on_step, t0)
+            except BaseException:  # Ctrl-C or a failing on_step: the child's own session would outlive us
+                kill_tree(proc)
+                raise
+        rc = proc.returncode
+        extra["exit_status"] = rc
+        duration = time.perf_counter() - t0
+        return classify(plan, ctx, trial_dir, rc, stopped, last, extra, duration, opts.timeout_s)
+
+    def _watch(self, proc: subprocess.Popen, trial_dir: Path, on_step: StepCallback | None,
+               t0: float) -> tuple[str, StepReport | None]:
+        """Follow the child until it exits, times out or is pruned; returns (why it stopped, last step)."""
+        progress = trial_dir / "progress.jsonl"
+        offset = 0
+        last: StepReport | None = None
+        deadline = t0 + self.options.timeout_s
+        while True:
+            done = proc.poll() is not None
+            offset, records = _read_new_lines(progress, offset)
+            for rec in records:
+                last = StepReport(step=int(rec["step"]), tokens_per_sec=float(rec["tokens_per_sec"]),
+                                  peak_bytes=int(rec["peak_bytes"]))
+                if on_step is not None and on_step(last) is False and not done:
+                    kill_tree(proc)
+                    return "pruned", last
+            if done:
+                return "", last
+            if time.perf_counter() > deadline:
+                kill_tree(proc)
+                return "timeout", last
+            time.sleep(POLL_S)
+
+
+def _read_new_lines(path: Path, offset: int) -> tuple[int, list[dict]]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return offset, []
+    end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+    records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return offset + end, records
+
+
+def _tail(path: Path, n: int = STDERR_TAIL_LINES) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line.strip()][-n:]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def anatomy(mem: dict[str, Any], host_bytes: int = 0) -> MemoryAnatomy:
+    """One rank's measured memory as the anatomy: the tracker's components, CUDA's totals.
+
+    The tracker sees tensors; what CUDA counts beyond them (kernel workspaces) goes to
+    ``temporary`` so that the components sum to ``peak_allocated``.
+    """
+    comps = {c: int((mem.get("components") or {}).get(c, 0)) for c in COMPONENTS if c != "overhead"}
+    peak = int(mem.get("peak_allocated") or sum(comps.values()))
+    comps["temporary"] = max(0, comps["temporary"] + peak - sum(comps.values()))
+    reserved = int(mem.get("peak_reserved") or peak)
+    total = int(mem.get("device_total") or reserved)
+    return MemoryAnatomy(**comps, overhead=max(0, total - peak), peak_allocated=peak, peak_reserved=reserved,
+                         device_total=total, host_bytes=host_bytes)
+
+
+def classify(plan: Plan, ctx: EvalContext, trial_dir: Path, rc: int | None, stopped: str,
+             last: StepReport | None, extra: dict[str, Any], duration: float, timeout_s: float) -> TrialResult:
+    """The outcome, from the child's result files and exit status (never from its logs)."""
+    result = _read_json(trial_dir / "result.json")
+    ranks = sorted((r for p in trial_dir.glob("rank-*.json") if (r := _read_json(p))), key=lambda r: r["rank"])
+    extra["ranks"] = [{k: r.get(k) for k in ("rank", "pid", "status", "error")}
+                      | {"memory": _rank_memory(r.get("memory") or {})} for r in ranks]
+    if ranks and ranks[0].get("engine"):
+        extra["engine"] = ranks[0]["engine"]
+    mk = lambda status, reason, memory=None, throughput=None: TrialResult(  # noqa: E731
+        plan, status, "measured", memory=memory, throughput=throughput, capacity_bytes=ctx.capacity_bytes,
+        reason=reason, duration_s=duration, extra=extra)
+
+    if last is not None:
+        extra["last_step"] = {"step": last.step, "tokens_per_sec": last.tokens_per_sec, "peak_bytes": last.peak_bytes}
+    if stopped == "timeout":
+        at = f" after step {last.step}" if last else " before its first step"
+        return mk(Status.TIMEOUT, f"no result within {timeout_s:g} s (stopped{at}); its processes were killed")
+    if stopped == "pruned":
+        extra["pruned_by"] = "pruner"
+        return mk(Status.PRUNED, f"stopped at step {last.step}: {last.tokens_per_sec:,.0f} tokens/s cannot beat "
+                                 "the best trials so far")
+    oom = [r for r in ranks if r.get("status") == "oom"]
+    if oom:
+        r = max(oom, key=lambda r: (r.get("memory") or {}).get("peak_allocated", 0))
+        mem = r.get("memory") or {}
+        hit = r.get("budget_hit")
+        extra["oom_rank"] = r["rank"]
+        extra["error"] = r.get("error", "")
+        where = f"step {mem.get('peak_step', '?')} ({mem.get('peak_phase', '?')})"
+        if hit:
+            extra["budget_hit"] = hit
+            reason = (f"out of memory at {where}: {hit['live_before'] / 2**20:.1f} MiB allocated + "
+                      f"{hit['requested'] / 2**20:.1f} MiB requested > the {hit['budget'] / 2**20:.1f} MiB budget "
+                      f"(rank {r['rank']})")
+        else:
+            reason = f"out of memory at {where} on rank {r['rank']}: {r.get('error', '')}"
+        memory = anatomy(mem) if mem.get("peak_allocated") else None
+        return mk(Status.OOM, reason[:500], memory)
+    failed = [r for r in ranks if r.get("status") == "failed"]
+    if result is None or rc != 0 or failed:
+        stderr = _tail(trial_dir / "stderr.log")
+        extra["stderr_tail"] = stderr
+        if failed:
+            extra["traceback"] = failed[0].get("traceback", [])
+            reason = f"rank {failed[0]['rank']} failed: {failed[0].get('error', '')}"
+        elif rc is not None and rc < 0:
+            reason = f"the trial was killed by signal {signal.Signals(-rc).name}" + (
+                " (the kernel's OOM killer?)" if rc == -signal.SIGKILL else "")
+        elif rc == EXIT_OOM:
+            reason = "out of memory (the rank's result file is missing)"
+        else:
+            reason = f"the trial exited with status {rc} without a result" + (
+                f": {stderr[-1]}" if stderr else "")
+        return mk(Status.FAILED, reason[:500])
+
+    per_rank = [anatomy(r["memory"]) for r in result["ranks"]]
+    host = sum(int(r["memory"].get("rss_peak_bytes", 0)) for r in result["ranks"])
+    worst = max(range(len(per_rank)), key=lambda i: per_rank[i].device_total)
+    memory = anatomy(result["ranks"][worst]["memory"], host_bytes=host)
+    extra.update(engine=result["engine"], device_name=result["device_name"], worst_rank=worst,
+                 step_times_s=result["step_times_s"], tokens_per_step=result["tokens_per_step"],
+                 loss_finite=result["loss_finite"],
+                 setup_peak_bytes=result["ranks"][worst]["memory"].get("setup_peak_bytes"),
+                 rss_peak_bytes=[r["memory"].get("rss_peak_bytes") for r in result["ranks"]])
+    throughput = Throughput(tokens_per_sec=float(result["tokens_per_sec"]), step_time_s=float(result["step_time_s"]),
+                            compute_s=float(result["step_time_s"]))
+    status, reason = judge(memory, ctx)
+    return mk(status, reason, memory, throughput)
+
+
+def _rank_memory(mem: dict[str, Any]) -> dict[str, Any]:
+    keys = ("peak_allocated", "peak_reserved", "device_total", "setup_peak_bytes", "rss_peak_bytes", "peak_phase",
+            "peak_step")
+    return {k: mem[k] for k in keys if k in mem}

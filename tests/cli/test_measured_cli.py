@@ -1,0 +1,66 @@
+"""``autofit search --backend measured`` end to end on this machine's CPU (issue 5's "done means").
+
+A tiny local config.json, the local CPU as the target with a 36 MiB budget per rank, 8
+trials: the screen enqueues the predicted-best plans, measured runs stop at the first
+allocation over the budget, the analytic screen prunes plans predicted over it, Optuna's
+pruner stops slow runs, every trial is stored, and the winner's exported files are the
+files its trial ran with. The budget sits where the fused-loss plans' real peaks (about 7%
+above the analytic estimate) cross it while their estimates stay inside the screen's margin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from autofit.cli import cli
+from autofit.store import Store
+from tests.conftest import tiny
+
+
+@pytest.mark.slow
+def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = tmp_path / "tiny-mistral"
+    tiny("mistral-7b").to_hf_config().save_pretrained(model)
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(cli, [
+        "search", "--model", str(model), "--gpus", "1xcpu", "--backend", "measured", "--trials", "8",
+        "--cpu-mem-budget", "36MiB", "--headroom", "0", "--seq-len", "256", "--global-batch", "8",
+        "--db", db, "--out", str(out), "--work-dir", str(tmp_path / "trials"), "--json",
+    ])
+    wall = time.perf_counter() - t0
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    with Store(db) as store:
+        study = store.get_study(data["study"])
+        rows = [store.trial_result(t) for t in store.trials(study.id)]
+    print(f"wall {wall:.1f} s; " + "; ".join(f"{x.status.value}: {x.plan.summary()}" for x in rows))
+    assert study.backend == "measured" and study.status.value == "finished"
+    assert sum(data["counts"].values()) == len(rows) >= 6  # the sampler may propose a plan twice
+
+    measured = [x for x in rows if x.evaluator == "measured"]
+    for x in measured:
+        assert x.extra["device"] == "cpu" and x.extra["cpu_mem_budget"] == 36 * 2**20
+        assert x.extra["predicted"]["evaluator"] == "analytic"  # the stored pair
+    fits = [x for x in measured if x.status.value == "fits"]
+    ooms = [x for x in measured if x.status.value == "oom"]
+    screened = [x for x in rows if x.status.value == "pruned" and x.reason.startswith("predicted not to fit")]
+    assert fits and ooms and screened
+    for x in ooms:  # stopped at the first allocation over the budget, within its first steps
+        assert x.extra["budget_hit"]["budget"] == 36 * 2**20 and x.extra["budget_hit"]["step"] <= 1
+        assert x.memory.peak_allocated > 36 * 2**20
+    assert all(x.memory.peak_allocated <= 36 * 2**20 for x in fits)
+    assert all(x.evaluator == "analytic" and x.memory.device_total > 36 * 2**20 for x in screened)
+
+    best = max(fits, key=lambda x: x.tokens_per_sec)
+    assert data["best"]["plan_id"] == best.plan.plan_id
+    # the exported files are the ones the winning trial ran with
+    exported = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
+    assert exported == best.extra["exported_sha256"]

@@ -1,0 +1,208 @@
+"""Measured trials that take long on 2 cores: two-rank runs launched from the exported files,
+hangs (a timeout to wait out), and a measured search that meets a crash, a hang and an OOM.
+
+Two ranks on the CPU: DDP and DeepSpeed ZeRO-2/3 are set up by ``accelerate launch`` from
+the exported YAML (and ds_config.json); FSDP is set up by the child over the launcher's gloo
+group from the same YAML's fsdp_config (accelerate does not select FSDP on the CPU). Each
+test asserts the world size and that the engine really ran (class, stage, sharding).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from autofit.evaluators.analytic import estimate
+from autofit.evaluators.base import EvalContext, Status
+from autofit.evaluators.measured import MeasuredEvaluator, alive
+from autofit.export import export_files
+from autofit.plan import Plan
+from autofit.request import with_cpu_budget
+from autofit.specs import Workload, parse_cluster
+from tests.conftest import tiny
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def ctx_for(gpus: str, budget: str = "1GiB", headroom: float = 0.05, **workload) -> EvalContext:
+    wl = {"seq_len": 64, "global_batch": 8, **workload}
+    return EvalContext(tiny("mistral-7b"), with_cpu_budget(parse_cluster(gpus), budget), Workload(**wl), headroom)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is ``sid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry))
+    return out
+
+
+TWO_RANK = {
+    "ddp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2),
+    "fsdp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full"),
+    "zero2": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2"),
+    "zero3": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero3"),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO_RANK))
+def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
+    ctx = ctx_for("2xcpu")
+    plan = TWO_RANK[name]
+    t0 = time.perf_counter()
+    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    wall = time.perf_counter() - t0
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    e = r.extra
+    assert e["launch"].startswith("python -m accelerate.commands.launch --config_file accelerate_config.yaml")
+    # the files that ran are the export of this plan, byte for byte
+    trial = tmp_path / os.path.basename(e["trial_dir"])
+    for fname, text in export_files(plan, ctx).items():
+        assert (trial / fname).read_text() == text
+    ranks = e["ranks"]
+    assert [x["rank"] for x in ranks] == [0, 1] and len({x["pid"] for x in ranks}) == 2
+    assert all(x["status"] == "completed" for x in ranks)
+    eng = e["engine"]
+    assert eng["world_size"] == 2
+    assert e["tokens_per_step"] == 8 * 64  # both ranks' real tokens
+    n = tiny("mistral-7b").n_params
+    m = r.memory
+    if name == "ddp":
+        assert eng["distributed_type"] == "MULTI_CPU" and eng["model_class"] == "DistributedDataParallel"
+        assert eng["num_processes"] == 2
+        assert m.weights >= 4 * n  # fp32 weights under autocast, whole on each rank
+    elif name == "fsdp":
+        assert eng["distributed_type"] == "FSDP" and eng["fsdp_applied_by"].startswith("autofit")
+        assert eng["fsdp_param_type"] == "DTensor" and eng["fsdp_placements"] in (["S(0)"], ["Shard(dim=0)"])
+        assert eng["fsdp_local_numel"] * 2 == eng["fsdp_global_numel"]
+        assert eng["fsdp_modules"] >= 1 + tiny("mistral-7b").num_layers  # each decoder layer and the root
+        # checkpointing is FSDP's (fsdp_activation_checkpointing), not the model's
+        assert eng["checkpoint_wrappers"] == tiny("mistral-7b").num_layers and not eng["checkpointing"]
+        # fp32 sharded parameters (accelerate upcasts for mixed precision): half of 4 bytes × N per rank
+        assert m.weights == pytest.approx(4 * n / 2, rel=0.02)
+    else:
+        stage = int(name[-1])
+        assert eng["distributed_type"] == "DEEPSPEED" and eng["model_class"] == "DeepSpeedEngine"
+        assert (eng["zero_stage"], eng["train_batch_size"], eng["micro_batch"], eng["grad_accum"]) == (stage, 8, 2, 2)
+        assert eng["bf16"] and eng["inner_optimizer"] == "AdamW"  # ds_config's optimizer section (torch_adam)
+        # bf16 module weights: whole on each rank under ZeRO-2, halved under ZeRO-3
+        assert m.weights == pytest.approx(2 * n / (2 if stage == 3 else 1), rel=0.02)
+        # fp32 master + two moments, partitioned over the 2 ranks
+        assert m.optimizer == pytest.approx(12 * n / 2, rel=0.02)
+    gap = estimate(plan, ctx).memory.peak_allocated / m.peak_allocated - 1
+    print(f"{name}: measured {m.peak_allocated / MiB:.2f} MiB, analytic {gap:+.1%}, {wall:.1f} s")
+
+
+def test_a_hanging_child_times_out_and_leaves_no_process():
+    # the hang ignores SIGTERM: the parent must escalate to SIGKILL
+    ev = MeasuredEvaluator(timeout_s=12, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})
+    t0 = time.perf_counter()
+    r = ev.evaluate(Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2),
+                    ctx_for("1xcpu", global_batch=4))
+    assert r.status is Status.TIMEOUT and "no result within 12 s (stopped after step 0)" in r.reason
+    assert time.perf_counter() - t0 < 12 + 2 * 3 + 5
+    rank = r.extra["ranks"][0]
+    assert rank["status"] == "running" and "engine" in r.extra  # past setup: the hang timed out, not the start
+    assert not alive(rank["pid"]) and not session_members(rank["pid"])
+
+
+def test_a_hanging_two_rank_launch_leaves_no_process():
+    """torchrun starts each worker in a session of its own: killing the launcher's group is not enough."""
+    ev = MeasuredEvaluator(timeout_s=25, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})
+    r = ev.evaluate(TWO_RANK["ddp"], ctx_for("2xcpu"))
+    assert r.status is Status.TIMEOUT and r.extra["last_step"]["step"] == 0
+    pids = [x["pid"] for x in r.extra["ranks"]]
+    assert len(pids) == 2
+    # each worker led its own session (torchrun's start_new_session): none of them is left
+    assert not any(alive(p) for p in pids)
+    assert not any(session_members(p) for p in pids)
+
+
+def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
+    """A measured search whose first three (enqueued) plans crash, hang and run out of memory."""
+    from autofit.search import SearchRequest, candidates, run_search, screen
+    from autofit.space import Allowed, SearchSpace
+    from autofit.store import Store
+
+    ctx = ctx_for("1xcpu", budget="1GiB", seq_len=256)
+    allowed = Allowed()
+    space = SearchSpace(ctx, allowed)
+    first = [space.suggest(_Replay(p)) for p in candidates(screen(space), 3)]
+    # the enforced budget (the evaluator's) sits below what the third plan needs
+    budget = int(0.8 * estimate(first[2], ctx).memory.peak_allocated)
+    faults = f"crash@0:{first[0].plan_id};hang@1:{first[1].plan_id}"
+    request = SearchRequest(ctx=ctx, allowed=allowed, backend="measured", trials=6, evaluator_options={
+        "timeout_s": 15, "cpu_mem_budget": budget, "env": {**ENV, "AUTOFIT_TEST_TRIAL_FAULT": faults}})
+    with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
+        out = run_search(request, store)
+        rows = [store.trial_result(t) for t in store.trials(out.study.id)]
+    assert [r.plan.plan_id for r in rows[:3]] == [p.plan_id for p in first]
+    crash, hang, oom = rows[:3]
+    assert crash.status is Status.FAILED and "injected crash at step 0" in crash.reason
+    assert hang.status is Status.TIMEOUT and not alive(hang.extra["ranks"][0]["pid"])
+    assert oom.status is Status.OOM and oom.extra["budget_hit"]["budget"] == budget
+    assert oom.extra["budget_hit"]["step"] == 0
+    later = rows[3:]
+    assert later, "the search stopped after the faults"
+    assert all(r.evaluator in ("measured", "analytic") for r in rows)
+    assert out.study.status.value == "finished" and not out.interrupted
+    print({r.plan.summary(): r.status.value for r in rows})
+
+
+class _Replay:
+    """Answers ``suggest_categorical`` from enqueued params (what Optuna does for an enqueued trial)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def suggest_categorical(self, name, choices):
+        return self.params[name]
+
+
+def test_ctrl_c_in_the_parent_takes_the_child_down():
+    """The child runs in its own session (no SIGINT from the terminal reaches it): the parent kills it."""
+    running = []
+
+    def interrupt(step):
+        running.append(_trial_children())
+        raise KeyboardInterrupt
+
+    ev = MeasuredEvaluator(timeout_s=120, env=ENV)
+    with pytest.raises(KeyboardInterrupt):
+        ev.evaluate(Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2), ctx_for("1xcpu", global_batch=4),
+                    on_step=interrupt)
+    assert len(running) == 1 and len(running[0]) == 1  # the child was there at its first step
+    assert not alive(running[0][0]) and not _trial_children()
+
+
+def _trial_children() -> list[int]:
+    """Live processes running the trial child module, started by this test process."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if b"autofit.evaluators._trial_main" in cmd and fields[0] != "Z" and int(fields[1]) == os.getpid():
+            out.append(int(entry))
+    return out
