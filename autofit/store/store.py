@@ -440,17 +440,20 @@ class Store:
 
     def _check_schema(self) -> None:
         info = self.schema_info()
-        if info.up_to_date:
-            return
         if info.current is None:
             with self._connection() as conn:
                 tables = schema.autofit_tables(conn)
-            if tables:
+            if not tables:
+                self.upgrade()  # a new database: created at head, under the migration lock
+                return
+            # another process may have committed its migration since we read the revision
+            info = self.schema_info()
+            if info.current is None:
                 raise StoreError(
                     f"database {self.masked_url} has autofit tables ({', '.join(tables)}) but no revision in "
                     f"{VERSION_TABLE}; it was not created by autofit's migrations"
                 )
-            self.upgrade()
+        if info.up_to_date:
             return
         if not info.known:
             raise self._newer_error(info.current)
