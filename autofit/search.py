@@ -69,7 +69,9 @@ class SearchRequest:
 
     @property
     def budget(self) -> dict[str, Any]:
-        return {"trials": self.trials, "timeout_s": self.timeout_s, "seed": self.seed}
+        """What workers need to run the study the same way (node-local options stay out)."""
+        portable = {k: v for k, v in self.evaluator_options.items() if k in _PORTABLE_OPTIONS}
+        return {"trials": self.trials, "timeout_s": self.timeout_s, "seed": self.seed, "evaluator": portable}
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ def _sampler(seed: int):
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=4)
 
 
+_PORTABLE_OPTIONS = ("warmup_steps", "timed_steps", "timeout_s")
 HEARTBEAT_INTERVAL_S = 10  # how often a running trial pings the database
 HEARTBEAT_GRACE_S = 60  # after this silence a trial's worker is taken for dead
 _OK_STATES = ("COMPLETE", "PRUNED")
@@ -239,8 +242,12 @@ def request_from_study(rec) -> SearchRequest:
         lora_targets=LoraTargets((a.get("lora_targets") or ["all-linear"])[0]),
     )
     b = rec.budget or {}
+    options = dict(b.get("evaluator") or {})
+    if rec.backend == "measured" and rec.cluster.get("gpu") == "CPU":
+        options["cpu_mem_budget"] = rec.context().capacity_bytes
     return SearchRequest(ctx=rec.context(), allowed=allowed, backend=rec.backend, trials=int(b.get("trials", 1)),
-                         timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)))
+                         timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)),
+                         evaluator_options=options if rec.backend == "measured" else {})
 
 
 def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
@@ -368,6 +375,7 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
     """
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = SearchSpace(request.ctx, request.allowed)
     study = optuna.load_study(
         study_name=study_rec.optuna_study_name, storage=store.optuna_storage(*heartbeat),

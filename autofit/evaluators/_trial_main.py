@@ -533,6 +533,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m autofit.evaluators._trial_main TRIAL_SPEC.json", file=sys.stderr)
         return 2
+    from autofit.evaluators.measured import die_with_parent
+
+    die_with_parent()  # a rank must not outlive its launcher (or the search, for one rank)
     trial = Trial(argv[1])
     rank_file = f"rank-{trial.rank}.json"
     base = {"rank": trial.rank, "pid": os.getpid(), "world_size": trial.world}

@@ -240,6 +240,26 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies.
+
+    Trials run in their own session (so a timeout can kill the whole tree); this keeps a
+    SIGKILLed search or worker from leaving its trial running. Set in the launched child
+    (``preexec_fn``) and again in each rank (whose parent is the launcher).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def kill_tree(proc: subprocess.Popen) -> set[int]:
     """SIGTERM, then SIGKILL, the child, its group, and every process below it; returns the pids.
 
@@ -351,7 +371,8 @@ class MeasuredEvaluator(Evaluator):
 
         with open(trial_dir / "stdout.log", "wb") as out, open(trial_dir / "stderr.log", "wb") as err:
             proc = subprocess.Popen(cmd, cwd=trial_dir, env=child_env(opts.env), stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=die_with_parent)
             try:
                 stopped, last = self._watch(proc, trial_dir, on_step, t0)
             except BaseException:  # Ctrl-C or a failing on_step: the child's own session would outlive us

@@ -20,6 +20,7 @@ import re
 import secrets
 import shlex
 import time
+import warnings
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
@@ -512,7 +513,8 @@ class Store:
             try:
                 # Optuna creates its tables on first use; two processes doing so at once race
                 # on its version row, so the creation is serialized like our migrations
-                with self._lock("optuna-init", 0):
+                with self._lock("optuna-init", 0), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat args
                     self._optuna = optuna.storages.RDBStorage(
                         self.url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
                         grace_period=grace_period,
