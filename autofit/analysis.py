@@ -123,6 +123,13 @@ def authoritative(results: Iterable[TrialResult]) -> tuple[tuple[TrialResult, ..
     by_plan: dict[str, list[TrialResult]] = {}
     for r in results:
         by_plan.setdefault(r.plan.plan_id, []).append(r)
+    for rs in by_plan.values():  # a measured row carries the estimate it was screened by
+        have = {r.evaluator for r in rs}
+        for r in list(rs):
+            p = r.embedded_prediction()
+            if p is not None and p.evaluator not in have:
+                rs.insert(0, p)
+                have.add(p.evaluator)
     chosen, evaluations = [], {}
     for plan_id, rs in by_plan.items():
         ordered = sorted(enumerate(rs), key=lambda ir: (fidelity(ir[1].evaluator), ir[0]))

@@ -68,6 +68,15 @@ def print_estimate(console: Console, result: TrialResult, ctx: EvalContext) -> N
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
     console.print(f"bottleneck: {m.bottleneck}")
+    cal = result.extra.get("calibration") if result.extra else None
+    if cal:
+        raw = result.extra["raw"]
+        raw_tps = (raw.get("throughput") or {}).get("tokens_per_sec", 0.0)
+        console.print(
+            f"calibrated by {cal['n_pairs']} measured plans on {cal['gpu']}: raw {result.evaluator} figures were "
+            f"{gib(raw['memory']['device_total'])} GiB and {raw_tps:,.0f} tokens/s "
+            f"(factors: " + ", ".join(f"{k} ×{v:.3f}" for k, v in sorted(cal["factors"].items())) + ")"
+        )
     if m.host_bytes:
         console.print(f"host memory per node: {gib(m.host_bytes)} GiB of {gib(ctx.cluster.host_memory_bytes)} GiB")
     if result.throughput:

@@ -36,7 +36,8 @@ from typing import Any, Callable, Mapping
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, Status, StepReport, TrialResult
+from autofit import calibration
+from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, StepReport, Throughput, TrialResult
 from autofit.plan import Method, Plan
 from autofit.space import Allowed, SearchSpace
 
@@ -59,6 +60,7 @@ class SearchRequest:
     seed: int = 0
     # keyword options of the backend's evaluator (measured: steps, trial timeout, work dir)
     evaluator_options: Mapping[str, Any] = field(default_factory=dict)
+    calibrate: bool = True  # correct predictions by what was measured on this GPU type
 
     @property
     def request_key(self) -> str:
@@ -113,10 +115,12 @@ def _set_constraints(trial, result: TrialResult, ctx: EvalContext) -> None:
     trial.set_constraint("host_memory", host)
 
 
-def screen(space: SearchSpace) -> list[tuple[dict[str, Any], TrialResult]]:
-    """Every plan of the space with its analytic result, fastest fitting first."""
+def screen(space: SearchSpace, calibration=None) -> list[tuple[dict[str, Any], TrialResult]]:
+    """Every plan of the space with its analytic result (calibrated if given), fastest fitting first."""
     ev = AnalyticEvaluator()
     scored = [(params, ev.evaluate(plan, space.ctx)) for params, plan in space.enumerate_params()]
+    if calibration is not None:
+        scored = [(params, calibration.apply(r, space.ctx)) for params, r in scored]
     scored.sort(key=lambda pr: (not pr[1].fits, -pr[1].tokens_per_sec))
     return scored
 
@@ -147,6 +151,11 @@ class _Objective:
         self.current: int | None = None  # number of the trial being evaluated
         self.progress = progress or (lambda event, data: None)
         self.screen = AnalyticEvaluator()
+        gpu = request.ctx.cluster.gpu.name
+        self.calibrations = {
+            ev: (calibration.from_store(store, gpu, ev) if request.calibrate else None)
+            for ev in ("analytic", "simulated")
+        }
         self.evaluator = (None if request.backend == "analytic"
                           else get_evaluator(request.backend, **dict(request.evaluator_options)))
 
@@ -167,14 +176,14 @@ class _Objective:
             trial.set_user_attr("duplicate", True)
             self.progress("trial-duplicate", {"number": trial.number, "result": result})
             return result.tokens_per_sec
-        predicted = self.screen.evaluate(plan, ctx)
+        predicted = self._calibrated(self.screen.evaluate(plan, ctx))
         if self.evaluator is None:
             result = predicted
         elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.backend, 0.0)):
             result = dataclasses.replace(predicted, status=Status.PRUNED,
                                          reason=f"predicted not to fit: {predicted.reason}")
         else:
-            result = self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial))
+            result = self._calibrated(self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial)))
             # the stored pair: this evaluation beside the estimate it was screened by
             result = dataclasses.replace(result, extra={**result.extra, "predicted": _prediction(predicted)})
         self.store.record_trial(self.study_id, result, number=trial.number, optuna_trial_id=trial._trial_id)
@@ -184,6 +193,10 @@ class _Objective:
         if result.status is Status.PRUNED and result.extra.get("pruned_by") == "pruner":
             raise optuna.TrialPruned(result.reason)
         return result.tokens_per_sec
+
+    def _calibrated(self, result: TrialResult) -> TrialResult:
+        cal = self.calibrations.get(result.evaluator)
+        return cal.apply(result, self.request.ctx) if cal is not None else result
 
     def _reporter(self, trial) -> Callable[[StepReport], bool]:
         def on_step(report: StepReport) -> bool:
@@ -205,12 +218,20 @@ def _may_fit(predicted: TrialResult, ctx: EvalContext, margin: float) -> bool:
 
 
 def _prediction(predicted: TrialResult) -> dict[str, Any]:
-    m = predicted.memory
+    """The estimate a measured row is stored with (``TrialResult.embedded_prediction`` reads it)."""
+    m, t = predicted.memory, predicted.throughput
+    raw = predicted.extra.get("raw")
+    if raw:  # store what the model predicted, not the calibrated figures: calibration learns from it
+        m = MemoryAnatomy.from_dict(raw["memory"])
+        t = Throughput.from_dict(raw["throughput"]) if raw.get("throughput") else None
     return {
         "evaluator": predicted.evaluator,
         "status": predicted.status.value,
+        "reason": predicted.reason,
         "tokens_per_sec": predicted.tokens_per_sec,
         **({k: getattr(m, k) for k in ("peak_allocated", "peak_reserved", "device_total")} if m else {}),
+        "memory": m.as_dict() if m else None,
+        "throughput": t.as_dict() if t else None,
     }
 
 
@@ -291,7 +312,10 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         if warm:
             progress("warm-start", {"n": len(warm)})
         progress("screening", {"space": space})
-        scored = screen(space)
+        cal = calibration.from_store(store, request.ctx.cluster.gpu.name, "analytic") if request.calibrate else None
+        if cal is not None:
+            progress("calibration", {"calibration": cal})
+        scored = screen(space, cal)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
         k = min(ENQUEUE_MAX, max(1, request.trials // 2))
         for params in (warm + candidates(scored, k))[:max(k, len(warm))]:

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import (
+    db_option,
     evaluator_options,
     handle_errors,
     json_option,
@@ -25,10 +26,13 @@ from autofit.request import build_context, build_plan
 @plan_options
 @click.option("--backend", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto", show_default=True)
 @measured_options
+@click.option("--calibration/--no-calibration", "calibrate", default=True, show_default=True,
+              help="Correct the estimate by what was measured on this GPU type (from the database).")
+@db_option
 @json_option
 @handle_errors
 def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, headroom, backend, as_json,
-             cpu_mem_budget, steps, warmup_steps, trial_timeout, work_dir, **plan_opts):
+             cpu_mem_budget, steps, warmup_steps, trial_timeout, work_dir, calibrate, db_url, **plan_opts):
     """Estimate the per-GPU memory anatomy and tokens/s of one training plan."""
     ctx = build_context(model, gpus, nodes=nodes, host_mem=host_mem, seq_len=seq_len, global_batch=global_batch,
                         lengths_path=lengths_path, headroom=headroom, plan_opts=plan_opts,
@@ -37,6 +41,12 @@ def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, 
     measured = evaluator_options(dict(steps=steps, warmup_steps=warmup_steps, trial_timeout=trial_timeout,
                                       work_dir=work_dir))
     result = evaluate(plan, ctx, backend, **measured)
+    if calibrate and result.evaluator != "measured":
+        from autofit.calibration import for_context
+
+        cal = for_context(ctx, result.evaluator, db_url)
+        if cal is not None:
+            result = cal.apply(result, ctx)
     console = Console(stderr=as_json)
     for warning in ctx_warnings(ctx):
         console.print(f"[yellow]warning[/yellow]: {warning}")

@@ -48,6 +48,8 @@ from autofit.errors import AutofitError, SpecError
               help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).")
 @click.option("--report/--no-report", "write_report", default=True, show_default=True,
               help="Write report.html and its plots into --out at the end (not with --json).")
+@click.option("--calibration/--no-calibration", "calibrate", default=True, show_default=True,
+              help="Correct predictions by what was measured on this GPU type before.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @measured_options
 @db_option
@@ -74,7 +76,8 @@ def search(cctx: click.Context, **opts):
     request = SearchRequest(ctx=ctx, allowed=allowed, backend=backend,
                             trials=opts["trials"] or DEFAULT_TRIALS[backend],
                             timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"],
-                            evaluator_options=evaluator_options(opts) if backend == "measured" else {})
+                            evaluator_options=evaluator_options(opts) if backend == "measured" else {},
+                            calibrate=opts["calibrate"])
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     console = Console(stderr=True, quiet=quiet)

@@ -124,6 +124,18 @@ class TrialResult:
     def tokens_per_sec(self) -> float:
         return self.throughput.tokens_per_sec if self.throughput else 0.0
 
+    def embedded_prediction(self) -> "TrialResult | None":
+        """The estimate a measured result was screened by, stored inside it (the stored pair)."""
+        p = self.extra.get("predicted") if self.extra else None
+        if not p or not p.get("memory"):
+            return None
+        return TrialResult(
+            plan=self.plan, status=Status(p["status"]), evaluator=p["evaluator"],
+            memory=MemoryAnatomy.from_dict(p["memory"]),
+            throughput=Throughput.from_dict(p["throughput"]) if p.get("throughput") else None,
+            capacity_bytes=self.capacity_bytes, reason=p.get("reason", ""),
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON schema of ``autofit estimate --json`` (and of stored results)."""
         return {

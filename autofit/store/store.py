@@ -764,6 +764,18 @@ class Store:
             return [_trial_record(r) for r in rows]
 
     @retrying
+    def measured_trials(self, gpu_name: str) -> list[TrialRecord]:
+        """Every fitting measured trial on a GPU type, across studies (calibration's pairs)."""
+        with self.session_scope() as s:
+            rows = s.scalars(
+                select(TrialModel).join(StudyModel, TrialModel.study_id == StudyModel.id)
+                .where(TrialModel.evaluator == "measured", TrialModel.status == Status.FITS.value,
+                       func.lower(StudyModel.gpu_name) == gpu_name.lower())
+                .order_by(TrialModel.id)
+            ).all()
+            return [_trial_record(r) for r in rows]
+
+    @retrying
     def best_trial(
         self,
         model_fingerprint: str,
