@@ -77,9 +77,14 @@ class Snapshot:
 class StorageTracker(TorchDispatchMode):
     """Log every storage an op creates, and when it dies."""
 
-    def __init__(self, record_ops: bool = False) -> None:
+    def __init__(self, record_ops: bool = False, decompositions: dict | None = None) -> None:
         super().__init__()
         self.record_ops = record_ops
+        # {op: (when(*args, **kwargs) -> bool, impl)}: ops whose kernels allocate
+        # temporaries of their own; when ``when`` says so, ``impl`` (the kernel's own Python
+        # implementation) runs under the tracker instead, so those temporaries are seen
+        # (see runtime.bnb_decompositions)
+        self.decompositions = decompositions or {}
         self._op = ""
         self.log: list[tuple[int, int]] = []  # (storage key, +/- rounded bytes)
         self.recs: dict[int, _Rec] = {}
@@ -174,6 +179,10 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dec = self.decompositions.get(func)
+        if dec is not None and dec[0](*args, **(kwargs or {})):
+            with self:
+                return dec[1](*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if self.record_ops:
             self._op = f"{func.__name__}{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}"

@@ -86,12 +86,19 @@ def hf_model_class(spec: ModelSpec):
     return transformers.AutoModelForCausalLM
 
 
-def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
-    """The exact architecture with random weights and the plan applied, on ``device``."""
+def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0,
+                attn_impl: str | None = None) -> torch.nn.Module:
+    """The exact architecture with random weights and the plan applied, on ``device``.
+
+    ``device="meta"`` builds without memory (the simulator then swaps in fake tensors with
+    :func:`to_fake`); QLoRA weights stay unquantized there and are packed by ``to_fake``.
+    ``attn_impl`` overrides the plan's attention implementation by its transformers name
+    (the simulator's stand-in for flash_attention_2).
+    """
     torch.manual_seed(seed)
     lay = layout(plan)
     cfg = spec.to_hf_config()
-    cfg._attn_implementation = ATTN_IMPL[plan.attention]
+    cfg._attn_implementation = attn_impl or ATTN_IMPL[plan.attention]
     cfg.use_cache = False
     cls = hf_model_class(spec)
     with torch.device(device):
@@ -129,6 +136,9 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
     """Replace every block Linear by a bitsandbytes NF4 Linear4bit (double-quantized).
 
     Layer by layer, so a model is never held in 16-bit and 4-bit at once beyond one Linear.
+    Weights are quantized from ``compute_dtype``, as transformers' bitsandbytes loader does
+    with ``torch_dtype`` = compute dtype: the quant state's dtype decides what dequantization
+    produces (16-bit, not an fp32 temporary plus a cast). On ``meta`` nothing is quantized.
     """
     import bitsandbytes as bnb
 
@@ -142,11 +152,109 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
                 compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True, device="meta",
             )
             q.weight = bnb.nn.Params4bit(
-                child.weight.data.float(), requires_grad=False, quant_type="nf4", compress_statistics=True
+                child.weight.data.to(compute_dtype), requires_grad=False, quant_type="nf4", compress_statistics=True
             )
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, child_name, q.to(device))
+
+
+def _quant_states(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any]]:
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is not None:
+            yield m, qs
+
+
+def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds before a step: parameters, buffers and bitsandbytes'
+    quant states (absmax, codes, offset), which are neither but live as long as the weight."""
+    out = list(model.parameters()) + list(model.buffers())
+    for _, qs in _quant_states(model):
+        for st in (qs, qs.state2):
+            if st is not None:
+                out += [t for t in (st.absmax, st.code, st.offset) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
+    """Replace every parameter and buffer of a model built on ``meta`` by a fake tensor.
+
+    peft cannot wrap a model built under FakeTensorMode (swap_tensors refuses tensors with
+    weakrefs, shared/FIELD-NOTES.md), so the model is built and wrapped on ``meta`` and its
+    tensors are swapped here, keeping ties (one fake per shared tensor) and requires_grad.
+    QLoRA weights are quantized by bitsandbytes' own ``quantize_4bit`` under the fake mode:
+    its ops have fake kernels, so the packed weight and the double-quantized state have
+    exactly bitsandbytes' shapes without a byte of real memory.
+    """
+    import bitsandbytes as bnb  # noqa: F401 - only needed for QLoRA, cheap when installed
+
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return memo[id(t)]
+
+    for m in model.modules():
+        weight = m._parameters.get("weight")
+        if weight is not None and type(weight).__name__ == "Params4bit" and not weight.bnb_quantized:
+            _fake_quantize(m, fake(weight), mode)
+            memo[id(weight)] = m.weight
+        for name, p in list(m._parameters.items()):
+            if p is not None and not _is_fake(p):
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                m._parameters[name] = memo[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is not None and not _is_fake(b):
+                m._buffers[name] = fake(b)
+        for name, v in list(vars(m).items()):  # plain tensor attributes (e.g. rotary's original_inv_freq)
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type == "meta":
+                setattr(m, name, fake(v))
+    return model
+
+
+def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
+    import bitsandbytes as bnb
+
+    src = module.weight
+    with mode:
+        packed, qs = bnb.functional.quantize_4bit(
+            weight, blocksize=src.blocksize, compress_statistics=src.compress_statistics,
+            quant_type=src.quant_type, quant_storage=src.quant_storage,
+        )
+    p = torch.nn.Parameter(packed, requires_grad=False)
+    # what Params4bit carries; a fake tensor cannot be re-wrapped as Params4bit, and
+    # Linear4bit.forward only reads these attributes
+    for k in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
+        setattr(p, k, getattr(src, k))
+    p.quant_state, p.bnb_quantized, p.module = qs, True, module
+    module._parameters["weight"] = p
+    module.quant_state = qs
+
+
+def bnb_decompositions(kind: str) -> dict:
+    """bitsandbytes ops a storage tracker should see into, for a device of ``kind``.
+
+    ``gemm_4bit`` is one op to the dispatcher, but on the CPU (always) and on CUDA for more
+    than 1536 rows (bitsandbytes 0.50's ``_gemm_4bit_custom_max_m``) it runs
+    ``_gemm_4bit_default_impl``: the absmax dequantized to fp32 and the whole weight
+    dequantized to the compute dtype before a plain linear. Those temporaries are real
+    memory; the tracker sees them when it runs that function in place of the op.
+    """
+    try:
+        from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+        op = torch.ops.bitsandbytes.gemm_4bit.default
+    except (ImportError, AttributeError):
+        return {}
+    max_custom_rows = 0 if kind == "cpu" else 1536
+
+    def when(a, *args, **kwargs) -> bool:
+        return a.numel() // a.shape[-1] > max_custom_rows
+
+    return {op: (when, _gemm_4bit_default_impl)}
 
 
 def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.Optimizer:
@@ -325,7 +433,7 @@ class StepRunner:
             del loss
         if self.tracker is not None:
             self.tracker.mark([p.grad for p in self.model.parameters() if p.grad is not None], "gradients")
-        with self._phase("optimizer", step):
+        with self._phase("optimizer", step), _real_scalars(self.model):
             self.optimizer.step()
             if self.tracker is not None:
                 self.tracker.mark(_state_tensors(self.optimizer), "optimizer")
@@ -335,6 +443,22 @@ class StepRunner:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def _real_scalars(model: torch.nn.Module):
+    """Run the optimizer step of a fake model outside the fake mode.
+
+    Optimizers keep step counts in 0-dim tensors and some read them back (Adafactor's
+    ``step.item()``), which a fake tensor cannot answer. Outside the mode those counters
+    are created real, while every op on a fake parameter, gradient or state still runs
+    fake (a fake tensor dispatches to its own mode).
+    """
+    p = next(iter(model.parameters()), None)
+    if p is not None and _is_fake(p):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+    return contextlib.nullcontext()
 
 
 def _is_fake(t: torch.Tensor) -> bool:
