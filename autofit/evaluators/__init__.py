@@ -17,16 +17,25 @@ def get_evaluator(name: str) -> Evaluator:
         from autofit.evaluators.analytic import AnalyticEvaluator
 
         return AnalyticEvaluator()
-    raise AutofitError(f"backend {name!r} is not available; use one of: analytic")
+    if name == "simulated":
+        from autofit.evaluators.simulated import SimulatedEvaluator
+
+        return SimulatedEvaluator()
+    raise AutofitError(f"backend {name!r} is not available; use one of: analytic, simulated")
 
 
 def resolve_backend(name: str, ctx: EvalContext) -> str:
-    """``auto``: the most faithful evaluator available for the target cluster."""
+    """``auto``: the most faithful evaluator available for the target cluster.
+
+    ``measured`` when the target GPUs are present locally (once that backend exists: the
+    check goes here), else ``simulated``, which needs no GPU.
+    """
     if name not in BACKENDS:
         raise AutofitError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
     if name != "auto":
         return name
-    return "analytic"
+    # measured: when local GPUs match ctx.cluster (same GPU type, enough of them) -> "measured"
+    return "simulated"
 
 
 def evaluate(plan, ctx: EvalContext, backend: str = "auto") -> TrialResult:

@@ -97,7 +97,7 @@ from autofit.plan import Attention, Offload, Plan
 from autofit.specs import ModelSpec, Workload
 from autofit.specs.gpus import GPUSpec
 
-FLASH2_IMPL = "autofit_flash2"
+FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
 CACHE_SIZE = 64
 _COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits")
 
@@ -305,26 +305,32 @@ def register_flash2() -> str:
 # -- the trace ---------------------------------------------------------------------------
 @dataclass
 class OpCosts:
-    """FLOPs and bytes of the steady-state step's ops, per phase, as (flops, bytes, dtype) rows."""
+    """FLOPs and bytes of the steady-state step's ops, per phase, as (op, flops, bytes, dtype) rows."""
 
-    rows: dict[str, list[tuple[float, float, str]]] = field(default_factory=dict)
+    rows: dict[str, list[tuple[str, float, float, str]]] = field(default_factory=dict)
 
-    def add(self, phase: str, flops: float, nbytes: float, dtype: str) -> None:
-        self.rows.setdefault(phase, []).append((flops, nbytes, dtype))
+    def add(self, phase: str, op: str, flops: float, nbytes: float, dtype: str) -> None:
+        self.rows.setdefault(phase, []).append((op, flops, nbytes, dtype))
 
     def flops(self, phase: str | None = None) -> float:
         phases = [phase] if phase else list(self.rows)
-        return sum(f for p in phases for f, _, _ in self.rows.get(p, ()))
+        return sum(f for p in phases for _, f, _, _ in self.rows.get(p, ()))
+
+    def by_op(self, phase: str, gpu: GPUSpec, tokens: float) -> dict[str, float]:
+        """Roofline seconds per op name (what dominates a phase)."""
+        out: dict[str, float] = {}
+        for op, f, b, d in self.rows.get(phase, ()):
+            out[op] = out.get(op, 0.0) + _op_seconds(f, b, d, gpu, tokens)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def seconds(self, phase: str, gpu: GPUSpec, tokens: float) -> float:
         """Roofline time: each op bound by its FLOPs or its bytes, whichever is slower."""
-        eff = costs.matmul_efficiency(tokens)
-        bw = gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY
-        peaks = {d: gpu.peak_flops(d) * eff for d in ("bf16", "fp16", "fp32")}
-        total = 0.0
-        for f, b, d in self.rows.get(phase, ()):
-            total += max(f / peaks[d] if f else 0.0, b / bw)
-        return total
+        return sum(_op_seconds(f, b, d, gpu, tokens) for _, f, b, d in self.rows.get(phase, ()))
+
+
+def _op_seconds(flops: float, nbytes: float, dtype: str, gpu: GPUSpec, tokens: float) -> float:
+    compute = flops / (gpu.peak_flops(dtype) * costs.matmul_efficiency(tokens)) if flops else 0.0
+    return max(compute, nbytes / (gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY))
 
 
 @dataclass
@@ -373,6 +379,13 @@ def _make_tracer():
             aten.empty_strided.default, aten.new_empty.default, aten.new_empty_strided.default,
             aten.empty_like.default}
 
+    @functools.lru_cache(maxsize=None)
+    def written_args(func) -> tuple[int, ...]:
+        """Positions of the arguments an op writes in place that it does not also return."""
+        if func._schema.returns:
+            return ()
+        return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
     def _causal(func, args, kwargs) -> bool:
         names = [a.name for a in func._schema.arguments]
         bound = dict(zip(names, args))
@@ -405,14 +418,16 @@ def _make_tracer():
                 # a fake tensor has none, so the trace reads 1
                 return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if self.step == self.last_step and self.phase != "setup" and func not in free and not func.is_view:
+            if (self.step == self.last_step and self.phase != "setup" and func not in free and not func.is_view
+                    and func.namespace != "prim"):  # prim.device & co. query metadata
                 self._cost(func, args, kwargs or {}, out)
             return out
 
         def _cost(self, func, args, kwargs, out) -> None:
             nbytes = 0
             dtype = None
-            for t in tree_leaves((args, kwargs, out)):
+            # what an op reads and writes; arguments it mutates in place are written too
+            for t in tree_leaves((args, kwargs, out, [args[i] for i in written_args(func) if i < len(args)])):
                 if isinstance(t, torch.Tensor):
                     nbytes += t.numel() * t.element_size()
                     if dtype is None and t.is_floating_point():
@@ -432,7 +447,7 @@ def _make_tracer():
                 a = args[0]
                 flops = 2.0 * a.numel() * args[2][0]
             phase = "backward" if self.phase == "recompute" else self.phase
-            self.ops.add(phase, float(flops), float(nbytes), _dtype_class(dtype))
+            self.ops.add(phase, packet.__name__, float(flops), float(nbytes), _dtype_class(dtype))
 
     return Tracer
 
