@@ -219,6 +219,12 @@ def to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
 def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
     import bitsandbytes as bnb
 
+    from bitsandbytes.functional import create_dynamic_map, name2qmap
+
+    # the double quantization's code is built from Python floats (.tolist()), which a
+    # fake tensor cannot give: build it for real once, as bitsandbytes caches it anyway
+    if "dynamic" not in name2qmap:
+        name2qmap["dynamic"] = create_dynamic_map()
     src = module.weight
     with mode:
         packed, qs = bnb.functional.quantize_4bit(
@@ -360,10 +366,15 @@ class StepRunner:
     """Runs forward, loss, backward and the optimizer step of a plan, micro-batch by micro-batch."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None) -> None:
+                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None,
+                 kernels: Any = None) -> None:
+        """``kernels``: a factory of a context manager entered around every forward
+        computation, the checkpoint recompute in backward included (the simulator's
+        stand-ins for a target GPU's kernels on fake CPU tensors)."""
         self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
         self.device = torch.device(device)
         self.tracker = tracker
+        self.kernels = kernels
         self.lay = layout(plan)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.base = base
@@ -373,8 +384,9 @@ class StepRunner:
         self._hooks = []
         if tracker is not None and not plan.fused_loss:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
-        if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
-            # re-enable with a context for the recompute, so recomputed tensors count as activations
+        if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
+            # re-enable with a context for the recompute, so recomputed tensors count as
+            # activations and run the same kernels as their forward
             enable_checkpointing(model, {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
@@ -389,7 +401,18 @@ class StepRunner:
         return None
 
     def _checkpoint_contexts(self):
-        return contextlib.nullcontext(), self.tracker.in_phase("recompute")
+        return contextlib.nullcontext(), self._recompute()
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        with contextlib.ExitStack() as stack:
+            if self.tracker is not None:
+                stack.enter_context(self.tracker.in_phase("recompute"))
+            stack.enter_context(self._kernels())
+            yield
+
+    def _kernels(self):
+        return self.kernels() if self.kernels is not None else contextlib.nullcontext()
 
     def _autocast(self):
         if self.lay.autocast_dtype is None:
@@ -419,7 +442,7 @@ class StepRunner:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
         losses = []
         for batch in batches:
-            with self._phase("forward", step), self._autocast():
+            with self._phase("forward", step), self._autocast(), self._kernels():
                 loss = self.loss(batch) / len(batches)
             if self.tracker is not None:
                 self.tracker.region = ""

@@ -553,11 +553,10 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
     scale = _attn_flop_scale(rows[micro:]) if flash2 else 1.0
     tokens = int(fakes[1][0]["input_ids"].numel())
     tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
-    kernels = cuda_kernels_mode()(target.capability) if target.kind == "cuda" else contextlib.nullcontext()
-    runner = None
-    with _value_decisions(), mode, tr, kernels:
+    kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
+    with _value_decisions(), mode, tr:
         tr.track(rt.state_tensors(net), "weights")
-        runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr)
+        runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
         for step in range(len(fakes)):
             batches = fakes.pop(0)  # dropped after its step, as a training loop drops it
             for b in batches:
