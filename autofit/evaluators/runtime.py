@@ -142,17 +142,25 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
     """
     import bitsandbytes as bnb
 
+    from transformers.pytorch_utils import Conv1D
+
     names = {n.rsplit(".", 1)[-1] for n, _, _, _ in spec.linears()}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if child_name not in names or not isinstance(child, torch.nn.Linear):
+            if child_name not in names or not isinstance(child, (torch.nn.Linear, Conv1D)):
                 continue
+            # GPT-2's Conv1D keeps its weight as [in, out]; transformers' bitsandbytes
+            # loader replaces it by a Linear4bit of the transposed weight, and so do we
+            if isinstance(child, Conv1D):
+                (in_f, out_f), w = child.weight.shape, child.weight.data.t()
+            else:
+                in_f, out_f, w = child.in_features, child.out_features, child.weight.data
             q = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
+                in_f, out_f, bias=child.bias is not None,
                 compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True, device="meta",
             )
             q.weight = bnb.nn.Params4bit(
-                child.weight.data.to(compute_dtype), requires_grad=False, quant_type="nf4", compress_statistics=True
+                w.to(compute_dtype), requires_grad=False, quant_type="nf4", compress_statistics=True
             )
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)

@@ -159,17 +159,11 @@ class TraceKey:
 # -- CUDA kernels on fake CPU tensors ----------------------------------------------------
 def cuda_sdpa_kernel(capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool,
                      requires_grad: bool) -> str:
-    """The sdpa backend torch 2.13 picks on a CUDA GPU (priority flash, efficient, math)."""
+    """``costs.cuda_sdpa_kernel`` for a torch dtype (the analytic evaluator shares the rule)."""
     import torch
 
-    half = dtype in (torch.float16, torch.bfloat16)
-    dtype_ok = dtype is not torch.bfloat16 or capability >= (8, 0)
-    if half and dtype_ok and not masked and capability >= (8, 0) and head_dim <= 256:
-        if not (requires_grad and head_dim > 192 and capability in ((8, 6), (8, 9))):
-            return "flash"
-    if not gqa and dtype_ok and capability >= (5, 0):
-        return "efficient"
-    return "math"
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return costs.cuda_sdpa_kernel(capability, name, head_dim, masked, gqa, requires_grad)
 
 
 # CUDA autocast's fp32 policies for ops CPU autocast does not list (autocast_mode.cpp)
@@ -227,6 +221,11 @@ def _make_cuda_kernels():
             return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)
 
         def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            if torch.is_autocast_enabled("cpu"):  # sdpa is on autocast's 16-bit list: cast first
+                low = torch.get_autocast_dtype("cpu")
+                q, k, v = (t.to(low) if t.dtype is torch.float32 else t for t in (q, k, v))
+                if attn_mask is not None and attn_mask.dtype is torch.float32:
+                    attn_mask = attn_mask.to(low)
             gqa = enable_gqa and k.shape[-3] != q.shape[-3]
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             kernel = cuda_sdpa_kernel(self.capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad)
@@ -350,6 +349,7 @@ class Trace:
     tokens: int  # tokens of one micro-batch as traced (padded)
     micro_batches: int
     seconds: float  # wall time of the trace
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 def _dtype_class(dtype) -> str:
@@ -536,6 +536,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
     flash2 = plan.attention is Attention.FLASH2
     attn_impl = register_flash2() if flash2 else None
     net = rt.build_model(model, plan, device="meta", attn_impl=attn_impl)
+    t_build = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rt.to_fake(net, mode)
     opt = rt.make_optimizer(plan, net)
@@ -557,12 +558,15 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
     with _value_decisions(), mode, tr:
         tr.track(rt.state_tensors(net), "weights")
         runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
+        step_s = []
         for step in range(len(fakes)):
+            t = time.perf_counter()
             batches = fakes.pop(0)  # dropped after its step, as a training loop drops it
             for b in batches:
                 tr.track(b.values())
             runner.step(batches, step=step)
             del batches
+            step_s.append(time.perf_counter() - t)
     runner.close()
     snap = tr.snapshot()
     kinds = {k: tr.classify(k) for k in tr.recs}
@@ -582,6 +586,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
         tokens=tokens,
         micro_batches=micro,
         seconds=time.perf_counter() - t0,
+        timings={"build_s": t_build - t0, "step_s": step_s},
     )
 
 
@@ -773,6 +778,8 @@ class SimulatedEvaluator(Evaluator):
             plan=plan, status=status, evaluator=self.name, memory=mem, throughput=tput,
             capacity_bytes=ctx.capacity_bytes, reason=reason, duration_s=time.perf_counter() - t0,
             extra={"peak_phase": phase, "trace_s": round(trace.seconds, 3), "trace_reused": self.cache.hits > hits,
+                   "timings": {k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v])
+                               for k, v in trace.timings.items()},
                    "target_kernels": f"{target.kind}" + (f" sm{target.capability[0]}{target.capability[1]}"
                                                            if target.kind == "cuda" else "")},
         )
