@@ -63,10 +63,12 @@ def main() -> None:
         "MiB; `Δ` = (simulated − analytic) / analytic of the peak; components as simulated / analytic; "
         "⚑ = peak differs > 10%, or a component > 10% of itself and > 1% of the peak.",
         "",
-        "| model | plan | sim peak | ana peak | Δ peak | " + " | ".join(PARTS) + " | sim phase / ana phase | trace s |",
-        "|---|---|---:|---:|---:|" + "---|" * len(PARTS) + "---|---:|",
+        "| model | plan | sim peak | ana peak | Δ peak | " + " | ".join(PARTS)
+        + " | sim phase / ana phase | tokens/s sim / ana | trace s |",
+        "|---|---|---:|---:|---:|" + "---|" * len(PARTS) + "---|---|---:|",
     ]
     deltas = []
+    speed = []  # simulated / analytic tokens/s
     flagged = 0
     for name in args.models.split(","):
         model = MODELS[name]
@@ -89,6 +91,7 @@ def main() -> None:
             sp, ap_ = sim.memory.peak_allocated, ana.memory.peak_allocated
             d = (sp - ap_) / ap_
             deltas.append(abs(d))
+            speed.append(sim.tokens_per_sec / ana.throughput.tokens_per_sec)
             flag = abs(d) > 0.10
             cells = []
             for c in PARTS:
@@ -99,12 +102,16 @@ def main() -> None:
             flagged += flag
             lines.append(f"| {name} | {label} | {sp / MiB:,.0f} | {ap_ / MiB:,.0f} | {d * 100:+.1f}%"
                          f"{' ⚑' if abs(d) > 0.10 else ''} | " + " | ".join(cells)
-                         + f" | {sim.extra['peak_phase']} / {ana.peak_phase} | {dt:.1f} |")
+                         + f" | {sim.extra['peak_phase']} / {ana.peak_phase} | "
+                         f"{sim.tokens_per_sec:,.0f} / {ana.throughput.tokens_per_sec:,.0f} | {dt:.1f} |")
             print(lines[-1], file=sys.stderr, flush=True)
     deltas.sort()
     if deltas:
         lines += ["", f"{len(deltas)} plans; |Δ peak| median {deltas[len(deltas) // 2] * 100:.1f}%, "
                       f"worst {deltas[-1] * 100:.1f}%; {flagged} rows flagged."]
+        speed.sort()
+        lines += [f"tokens/s simulated / analytic: median {speed[len(speed) // 2]:.2f}, "
+                  f"range {speed[0]:.2f}–{speed[-1]:.2f}."]
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as fh:

@@ -344,6 +344,10 @@ def logits_bytes(model: ModelSpec, plan: Plan, tokens: int) -> tuple[float, floa
         # + one chunk's head-weight gradient before it is added into .grad
         grad_w = v * model.hidden_size * (4 if c == 4 or rg.autocast else c) if plan.method is Method.FULL else 0
         return (c + up + 4) * v * chunk + head_cast, (c + up + 12) * v * chunk + head_cast + grad_w
+    if model.family.task == "masked-lm" and not rg.autocast:
+        # BERT's MLM loss takes the logits as they are: log_softmax saves them in the compute
+        # dtype, and its backward holds the nll and log_softmax gradients in it too
+        return 2 * c * v * tokens, 3 * c * v * tokens
     return (c + up + 4 + cap) * v * tokens + head_cast, (12 + cap) * v * tokens + head_cast
 
 
@@ -539,6 +543,7 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
         tail = sum(i * o for n, i, o, part in model.linears() if part == "mlp" or n in ("o_proj", "attn.c_proj"))
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
 
+    tied_grad = early_grads if model.tie_word_embeddings else 0.0
     states = {"weights": st.weights + autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + mask
     moments = {
@@ -592,16 +597,17 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
             "logits": 0.0,
             "temporary": persistent_tmp + bwd_temp,
         },
-        # tied embeddings: the head's and the embedding's gradients meet in the shared
-        # weight's .grad, added out of place, all three alive at once
-        "tied-embedding-grad": {
+        # the end of backward: every gradient; with tied embeddings the head's and the
+        # embedding's gradients meet in the shared weight's .grad, added out of place, all
+        # three alive at once
+        # (the head's one was made in the loss's backward: a storage tracker calls it logits)
+        "backward-end": {
             "weights": st.weights,
             "optimizer": st.optimizer,
             "gradients": st.gradients,
             "activations": 0.0,
-            "logits": 0.0,
-            "temporary": persistent_tmp + (2 * head_grads * st.gradients / max(sb.gradients, 1)
-                                           if model.tie_word_embeddings else 0.0),
+            "logits": tied_grad,
+            "temporary": persistent_tmp + tied_grad,
         },
         "optimizer-step": {
             "weights": st.weights,
@@ -678,13 +684,20 @@ def _throughput(plan: Plan, ctx: EvalContext, sb: costs.StateBytes, blk: _Block,
     elementwise = 4 * block_bytes * L * (1.5 if plan.checkpointing is Checkpointing.FULL else 1.0)
     logits_traffic = 0 if plan.fused_loss else (regime(plan).compute + 16) * model.vocab_size * tokens
     dequant = 0.0
-    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use (fwd, bwd, recompute)
-        uses = 3 if plan.checkpointing is Checkpointing.FULL else 2
+    uses = 3 if plan.checkpointing is Checkpointing.FULL else 2  # forward, backward (+ recompute)
+    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use
         dequant = model.linear_params() * (NF4_BYTES_PER_PARAM + 2) * uses
-    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant) / mem_bw
+    casts = 0.0
+    if regime(plan).autocast and plan.method is Method.FULL:
+        # autocast reads each fp32 weight and writes its 16-bit copy per forward (and
+        # recompute); backward casts the 16-bit weight gradients back to fp32
+        casts = (block_mm + head_params) * (4 + 2) * uses
+    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant + casts) / mem_bw
     backward_s = (bwd + recompute) / (peak * eff)
     comm = costs.comm_time(plan, model, cluster, sb, backward_s)
     opt_s = costs.optimizer_step_bytes(plan, sb) / mem_bw
+    if plan.zero_stage >= 1 or plan.engine == "fsdp":
+        opt_s /= cluster.world_size  # every rank steps only its shard of the states
     ga = plan.grad_accum
     step = ga * (micro_s + comm.per_micro_batch) + opt_s + comm.per_step + comm.offload
     compute_s = ga * micro_s + opt_s

@@ -337,7 +337,9 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 # -- loss ------------------------------------------------------------------------------------
 def _chunk_loss(hidden, weight, bias, labels, softcap):
-    logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)).float()
+    # the chunk is cast to the head's dtype, never the head to the chunk's: an fp32 chunk
+    # (a LayerNorm output under CUDA autocast) would otherwise copy the whole head per chunk
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -346,6 +346,7 @@ class Trace:
     ops: OpCosts
     n_params: int
     n_trainable: int
+    grad_bytes: int  # every trainable parameter's gradient, as traced (allocator blocks)
     tokens: int  # tokens of one micro-batch as traced (padded)
     micro_batches: int
     seconds: float  # wall time of the trace
@@ -531,6 +532,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.evaluators import runtime as rt
+    from autofit.evaluators.memtrack import round_block
 
     t0 = time.perf_counter()
     flash2 = plan.attention is Attention.FLASH2
@@ -572,6 +574,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
     kinds = {k: tr.classify(k) for k in tr.recs}
     n_params = sum(p.numel() for p in net.parameters())
     n_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    grad_bytes = sum(round_block(p.numel() * p.element_size()) for p in net.parameters() if p.requires_grad)
     return Trace(
         key=TraceKey.of(plan, model, workload, target),
         log=tr.log,
@@ -583,6 +586,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) 
         ops=tr.ops,
         n_params=n_params,
         n_trainable=n_trainable,
+        grad_bytes=grad_bytes,
         tokens=tokens,
         micro_batches=micro,
         seconds=time.perf_counter() - t0,
@@ -650,14 +654,14 @@ def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
         layer_weights += model.linear_params() / L * (analytic.NF4_BYTES_PER_PARAM - c)
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
-    grad_share = st.gradients / sb.gradients if sb.gradients else 0.0
+    # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes
+    grad_share = st.gradients / trace.grad_bytes if trace.grad_bytes else 0.0
     # the traced step's optimizer temporaries are the module optimizer's; an engine's own
     # step adds what shard_states says
     start, end = steady_window(trace)
     marks = sorted((i, ph) for i, ph, st_ in trace.marks)
     live: dict[int, int] = {}
     comp = dict.fromkeys(_COMPONENTS, 0)
-    traced_states = None
     best, best_event, best_phase = None, -1, ""
     mi, phase = 0, "setup"
     for ev, (key, delta) in enumerate(trace.log):
@@ -672,8 +676,6 @@ def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
             comp[kind] -= live.pop(key)
         if ev < start:
             continue
-        if traced_states is None:
-            traced_states = comp["weights"], comp["optimizer"]
         weights = st.weights if sharded else comp["weights"]
         if phase == "optimizer" and sharded:
             cand = {"weights": weights, "gradients": st.gradients, "optimizer": st.optimizer, "activations": 0,

@@ -186,6 +186,12 @@ def test_cuda_kernels_on_fake_cpu_tensors():
         assert out.grad_fn.name() == "ScaledDotProductFlashAttentionBackward0"
         y = F.dropout(x, 0.1, training=True)
         assert y.grad_fn.name() == "NativeDropoutBackward0"
+        # sdpa is on autocast's 16-bit list: fp32 inputs are cast before the kernel is chosen
+        q32 = torch.empty(2, 8, 32, 64, requires_grad=True)
+        k32 = torch.empty(2, 2, 32, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = F.scaled_dot_product_attention(q32, k32, k32, is_causal=True, enable_gqa=True)
+        assert out.dtype is torch.bfloat16 and out.grad_fn.name() == "ScaledDotProductFlashAttentionBackward0"
 
 
 def test_cuda_target_traces_cuda_kernels():
@@ -200,6 +206,16 @@ def test_cuda_target_traces_cuda_kernels():
     assert "native_dropout" in traced_ops(a100) and "bernoulli_" not in traced_ops(a100)
     assert "bmm" in traced_ops(cpu) and "bernoulli_" in traced_ops(cpu)
     assert a100.peak_components["activations"] < cpu.peak_components["activations"] / 2
+
+
+def test_checkpoint_recompute_runs_the_target_kernels():
+    # a recomputed block must save what its forward saved (torch checks it): the CUDA
+    # kernels are entered again for the recompute in backward
+    spec = tiny("gpt2")
+    wl = Workload(seq_len=128, global_batch=2)
+    tr = run_trace(spec, Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full"), wl, Target("cuda", (8, 0)))
+    assert "_scaled_dot_product_flash_attention" in traced_ops(tr, "backward")  # the recompute
+    assert "native_dropout" in traced_ops(tr, "backward")
 
 
 def test_same_kernels_trace_the_same_bytes_on_both_targets():
@@ -332,3 +348,31 @@ def test_auto_backend_is_simulated_without_local_gpus():
 
     ctx = EvalContext(tiny("gpt2"), parse_cluster("2xA10"), Workload(seq_len=64, global_batch=2))
     assert resolve_backend("auto", ctx) == "simulated"
+
+
+# -- the analytic evaluator against the simulated one, where no real run is possible here --
+ANALYTIC_PLANS = [
+    Plan(precision="bf16-mixed", micro_batch=2),
+    Plan(precision="32-true", micro_batch=2),  # fp32 with grouped KV heads: sdpa's math kernel on CUDA
+    Plan(precision="bf16-true", micro_batch=2, attention="eager"),
+    Plan(method="lora", lora_rank=16, precision="bf16-mixed", checkpointing="full", micro_batch=2),
+    Plan(method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", fused_loss=True, micro_batch=2),
+    Plan(precision="bf16-true", optimizer="adamw-8bit", checkpointing="full", micro_batch=2),
+    Plan(precision="bf16-true", optimizer="adafactor", micro_batch=1),
+]
+
+
+@pytest.mark.parametrize("family", ["mistral-7b", "llama-3.2-1b"])
+@pytest.mark.parametrize("plan", ANALYTIC_PLANS, ids=lambda p: p.summary())
+def test_analytic_agrees_with_simulated_on_a_cuda_target(family, plan):
+    """Closed form vs traced step for an A100, tiny llama-family models (tied and untied)."""
+    spec = tiny(family, layers=3)
+    ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=plan.micro_batch))
+    sim = SimulatedEvaluator(_ANALYTIC_CACHE).evaluate(plan, ctx).memory
+    ana = estimate(plan, ctx).memory
+    assert ana.peak_allocated == pytest.approx(sim.peak_allocated, rel=0.04)
+    for comp in ("weights", "optimizer"):
+        assert getattr(ana, comp) == pytest.approx(getattr(sim, comp), rel=0.02, abs=0.01 * sim.peak_allocated)
+
+
+_ANALYTIC_CACHE = TraceCache()
