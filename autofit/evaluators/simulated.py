@@ -20,12 +20,13 @@ for the target in the catalog. So every trace runs on fake CPU tensors, and for 
 target :class:`CudaKernels` replaces, while the step runs, the CPU's choices that change
 what is saved or allocated with the ones torch 2.13 makes on the target:
 
-1. sdpa: flash (16-bit, no mask, head_dim <= 256 and <= 192 with gradients on sm86/89,
-   sm80+, GQA native), else memory-efficient (mask or fp32, no GQA), else math — the
-   order and constraints of ``sdp_utils.cpp`` — called as the aten ops themselves, which
-   have fake kernels and autograd formulas, so their saved out/logsumexp/rng state are
-   traced. (On the CPU, sdpa with GQA or dropout runs the math kernel, which upcasts
-   16-bit to fp32 and keeps s² probabilities.)
+1. sdpa: after autocast's cast to 16-bit, flash (16-bit, no mask, head_dim <= 256 and
+   <= 192 with gradients on sm86/89, sm80+, GQA native), else memory-efficient (mask or
+   fp32, no GQA), else math — the order and constraints of ``sdp_utils.cpp``, in
+   ``costs.cuda_sdpa_kernel`` which the analytic evaluator shares — called as the aten ops
+   themselves, which have fake kernels and autograd formulas, so their saved
+   out/logsumexp/rng state are traced. (On the CPU, sdpa with dropout runs the math
+   kernel, which upcasts 16-bit to fp32 and keeps s² probabilities.)
 2. dropout: CUDA's fused ``native_dropout`` keeps a bool mask; the CPU keeps it in the
    input dtype.
 3. autocast: CUDA autocast runs layer_norm, pow, rsqrt, exp, log, softmax without dtype,
@@ -33,10 +34,19 @@ what is saved or allocated with the ones torch 2.13 makes on the target:
 4. bitsandbytes ``gemm_4bit`` dequantizes the whole weight above 1536 rows on CUDA and
    always on the CPU (``runtime.bnb_decompositions``): the tracker sees those temporaries.
 
+The substitutes are entered around every forward and every checkpoint recompute
+(``runtime.StepRunner(kernels=...)``), so a recomputed block saves what its forward saved.
 CPU targets (``1xcpu``) trace the CPU's own kernels, unchanged; that is what the tests
-compare with real CPU steps. Not corrected: the math fallback with dropout on a CUDA target
-keeps a float mask (no valid plan reaches it: dropout models are MHA and go to the
-efficient kernel), and cuBLAS/cuDNN workspaces are not tensors (they are in ``overhead``).
+compare with real CPU steps, byte for byte. Not corrected: the math fallback with dropout
+on a CUDA target keeps a float mask (no valid plan reaches it: dropout models are MHA and go
+to the efficient kernel); cuBLAS/cuDNN workspaces are not tensors (they are in
+``overhead``); paged 8-bit optimizer states are counted as device memory (bitsandbytes
+pages them only under pressure).
+
+Values a fake tensor does not have are supplied where the step reads them: transformers'
+packed-sequence and all-ones-mask checks are answered from the synthetic batch the trace
+was made from, optimizer step counters stay real (``runtime._real_scalars``), and a value
+read back from a fake tensor (Adafactor's parameter RMS) reads 1; none changes a size.
 
 **flash2.** flash_attn does not run here (no package, no GPU). Plans with flash2 are
 traced with :func:`flash2_attention`, registered as a transformers attention function,
@@ -60,10 +70,12 @@ activations).
 
 **Memoization.** A trace depends only on :class:`TraceKey`: the architecture's
 fingerprint, the workload's shape, the fields of the plan that change the step (method,
-rank, targets, precision, optimizer, micro-batch, ``min(grad_accum, 2)`` micro-batches,
-checkpointing, attention, packing, fused loss, engine layout) and the target's kernels
-(device kind and compute capability). Sharding stage, offload, world size, GPU memory and
-headroom re-use it.
+rank, targets, precision, optimizer, micro-batch, ``min(grad_accum, 2)`` micro-batches —
+a second one runs with gradients present, more change nothing per micro-batch —
+checkpointing, attention, packing, fused loss, engine layout: plain torch or 16-bit
+sharded) and the target's kernels (device kind and compute capability). Sharding stage,
+offload, world size, GPU type of the same capability, GPU memory and headroom re-use it;
+:class:`TraceCache` keeps the last 64 per process.
 
 **Time.** A roofline over the traced ops of the steady-state step: FLOPs from
 ``torch.utils.flop_counter``'s formulas, bytes from each op's inputs and outputs, each op
@@ -666,7 +678,8 @@ def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
     mi, phase = 0, "setup"
     for ev, (key, delta) in enumerate(trace.log):
         while mi < len(marks) and marks[mi][0] <= ev:
-            phase = marks[mi][1]
+            if marks[mi][1] != "setup":  # between two phases: still the last one's moment
+                phase = marks[mi][1]
             mi += 1
         kind = trace.kinds[key]
         if delta > 0:
