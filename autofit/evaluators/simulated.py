@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
