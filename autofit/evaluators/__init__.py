@@ -18,11 +18,15 @@ def get_evaluator(name: str, **options) -> Evaluator:
         from autofit.evaluators.analytic import AnalyticEvaluator
 
         return AnalyticEvaluator()
+    if name == "simulated":
+        from autofit.evaluators.simulated import SimulatedEvaluator
+
+        return SimulatedEvaluator()
     if name == "measured":
         from autofit.evaluators.measured import MeasuredEvaluator
 
         return MeasuredEvaluator(**options)
-    raise AutofitError(f"backend {name!r} is not available; use one of: analytic, measured")
+    raise AutofitError(f"backend {name!r} is not available; use one of: analytic, simulated, measured")
 
 
 def resolve_backend(name: str, ctx: EvalContext) -> str:
@@ -40,7 +44,7 @@ def resolve_backend(name: str, ctx: EvalContext) -> str:
 
 
 def _auto(ctx: EvalContext) -> str:
-    """Measure when this machine has the target GPUs (model and count, one node).
+    """Measure when this machine has the target GPUs (model and count, one node), else simulate.
 
     The local-CPU target (``1xcpu``) is never measured by ``auto``: it exists to plan and
     test without a GPU, where a real run takes minutes; ``--backend measured`` asks for one.
@@ -50,7 +54,7 @@ def _auto(ctx: EvalContext) -> str:
 
         if local_gpus_match(ctx.cluster):
             return "measured"
-    return "analytic"
+    return "simulated"
 
 
 def evaluate(plan, ctx: EvalContext, backend: str = "auto", **options) -> TrialResult:

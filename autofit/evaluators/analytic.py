@@ -45,8 +45,10 @@ from autofit.specs import ClusterSpec, ModelSpec, Workload
 # bitsandbytes NF4 with double quantization (the QLoRA default we export): 4-bit codes,
 # an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements.
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements,
+# and one fp32 absmax per block of this many elements for each 8-bit state.
 BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,32 @@ class _Block:
     attn_freed: float  # bytes per token of attention's output side freed before its softmax backward
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
+    mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
+
+
+def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
+    """The kernel sdpa runs: ``flash`` (or the CPU's flash), ``efficient`` or ``math``.
+
+    The CPU runs its flash kernel (grouped KV heads and masks included) unless there is
+    dropout, then math; CUDA GPUs choose by ``costs.cuda_sdpa_kernel``. transformers passes
+    grouped KV heads as they are only without a mask (it repeats them otherwise).
+    """
+    if cpu:
+        return "math" if model.family.dropout else "flash"
+    gqa = model.kv_dim < model.q_dim and not masked
+    return costs.cuda_sdpa_kernel(capability, costs.compute_dtype(plan), model.head_dim, masked, gqa)
 
 
 @functools.lru_cache(maxsize=4096)
-def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = False) -> _Block:
+def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = False,
+                      capability: tuple[int, int] = (8, 0)) -> _Block:
     """What one transformer block saves for backward, per token. See the module doc.
 
     ``cpu``: the CPU's kernels, which differ where it matters: dropout keeps its mask in
-    the input dtype (CUDA: bool), and sdpa with dropout runs the math kernel, which saves
-    what eager saves.
+    the input dtype (CUDA: bool), sdpa with dropout runs the math kernel, which saves
+    what eager saves, and autocast leaves layer_norm, pow and softmax in 16-bit (CUDA
+    autocast runs them in fp32). ``capability``: the CUDA GPU's, which decides the sdpa
+    kernel (``sdpa_kernel``).
     """
     f = model.family
     rg = regime(plan)
@@ -128,7 +147,7 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
         return src_bytes
 
     def layernorm(name: str, src_bytes: int) -> int:
-        in_bytes = 4 if rg.autocast else src_bytes  # autocast runs layer_norm in fp32
+        in_bytes = 4 if rg.autocast and not cpu else src_bytes  # CUDA autocast runs layer_norm in fp32
         saved[name + ".in"] = in_bytes * h
         saved[name + ".stats"] = 8
         return in_bytes
@@ -143,6 +162,9 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
     # the softmax in fp32 and the probabilities in the compute dtype, s² per head.
     gqa_repeat = kd < qd and (plan.attention is Attention.EAGER or (masked and plan.attention is Attention.SDPA))
     k_bytes = (qd if gqa_repeat else kd) * c
+    kernel = sdpa_kernel(model, plan, masked, cpu, capability) if plan.attention is Attention.SDPA else ""
+    # CUDA autocast runs softmax without a dtype in fp32
+    cuda_autocast = rg.autocast and not cpu
 
     if f.model_type in ("gpt2", "bert"):
         # sdpa with dropout runs the math kernel on the CPU: it saves what eager saves
@@ -161,13 +183,16 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
         else:
             saved["qkv"] = (qd + 2 * kd) * c  # q, k, v are views of one output
         if eager_like:
-            # softmax output, dropout mask and dropped probs
-            quad += a * (md + (md if cpu else 1) + md)
+            # softmax output (fp32 under CUDA autocast), dropout mask and dropped probs
+            soft = 4 if cuda_autocast and plan.attention is Attention.EAGER else md
+            quad += a * (soft + (md if cpu else 1) + md)
             saved["o_in"] = qd * c
             attn_out = "o_in"
         else:
             saved["out"], saved["lse"] = qd * c, 4 * a
             attn_out = "out"
+            if masked and plan.attention is Attention.SDPA:  # the bool mask made additive, saved by the kernel
+                quad += c
         o_name = "attn.c_proj" if f.model_type == "gpt2" else "attention.output.dense"
         lin(o_name, attn_out, c, qd)
         dropout_mask("attn.resid")
@@ -175,11 +200,18 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
         if f.model_type == "gpt2":
             ln2 = layernorm("ln2", r)
             lin("c_fc", "ln2.out", ln2, h)
-            # NewGELU is written in Python ops: x, tanh(...), 0.5x and 1+tanh are saved
-            saved["fc"], saved["gelu.tanh"], saved["gelu.half"], saved["gelu.onep"] = (inter * c,) * 4
-            lin("mlp.c_proj", "gelu.out", c, inter)
-            if "mlp.c_proj" in lora or full:
-                saved["gelu.out"] = inter * c
+            if cuda_autocast:
+                # CUDA autocast runs pow in fp32: pow saves its fp32 input, tanh and 1+tanh
+                # are fp32, 0.5x stays 16-bit, and the fp32 product is recast for c_proj
+                saved["gelu.x32"], saved["gelu.tanh"], saved["gelu.onep"] = (inter * 4,) * 3
+                saved["gelu.half"] = inter * c
+                lin("mlp.c_proj", "gelu.out", 4, inter)
+            else:
+                # NewGELU is written in Python ops: x, tanh(...), 0.5x and 1+tanh are saved
+                saved["fc"], saved["gelu.tanh"], saved["gelu.half"], saved["gelu.onep"] = (inter * c,) * 4
+                lin("mlp.c_proj", "gelu.out", c, inter)
+                if "mlp.c_proj" in lora or full:
+                    saved["gelu.out"] = inter * c
         else:
             x1 = layernorm("ln_attn", r)
             lin("intermediate.dense", "x1", x1, h)
@@ -207,9 +239,25 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
             quad += a * (4 + (c if c != 4 else 0)) + (a * c if f.logit_softcap else 0)
             saved["o_in"] = qd * c
             attn_out = "o_in"
+        elif kernel == "math":
+            # torch's math kernel computes in fp32 (it upcasts 16-bit): the scaled q and
+            # the (repeated) k and v it multiplies, and the fp32 softmax, are saved
+            for k_ in ("qkv", "q_rot", "k_rot", "v", "k_rep", "v_rep"):
+                saved.pop(k_, None)
+            keep_fused = f.fused_qkv and c == 4  # v stays a view of the fused output
+            if keep_fused:
+                saved["qkv"] = (qd + 2 * kd) * c
+            saved["math.q"], saved["math.k"] = qd * 4, qd * 4
+            if not keep_fused:
+                saved["math.v"] = qd * 4
+            quad += a * 4
+            saved["o_in"] = qd * c
+            attn_out = "o_in"
         else:
             saved["out"], saved["lse"] = qd * c, 4 * a
             attn_out = "out"
+            if masked and plan.attention is Attention.SDPA:  # the additive mask the kernel saves
+                quad += c
         lin("o_proj", attn_out, c, qd)
         before_mlp = sum(saved.values())
         if f.model_type == "gemma2":
@@ -226,17 +274,28 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
         if f.model_type == "gemma2":
             rms("post_ff", c)
     bwd_tok = 2 * inter * c + 8 * h  # the MLP's gradients while it runs backward
+    # while the MLP's down projection runs forward (measured on the CPU): the residual kept
+    # for the block's last add, the norm's output and the product when nothing saves them,
+    # the projection's output, and PEFT's fp32 copy of its input under autocast
+    down, prod, norm_out = (("mlp.c_proj", "gelu.out", "ln2.out") if f.model_type == "gpt2"
+                            else ("down_proj", "prod", "pre_ff.out" if f.model_type == "gemma2" else "n2"))
+    mlp_fwd_tok = 0.0
+    if f.model_type != "bert":
+        mlp_fwd_tok = (h * r + (0.0 if norm_out in saved else h * c) + h * c
+                       + (0.0 if prod in saved else inter * c)
+                       + (inter * 4 if adapter_recast and down in lora else 0.0))
     eager = plan.attention is Attention.EAGER
+    math = kernel == "math" and f.model_type not in ("gpt2", "bert")
     # softmax backward holds the fp32 gradient in and out (+ part of a 16-bit cast),
     # once the MLP's saved tensors of the block are already freed (measured on the CPU)
-    attn_bwd_quad = a * (8 + (0.5 if c != 4 else 0)) if eager else 0.0
-    fwd_quad = a * c if eager else 0.0  # the scores before softmax
+    attn_bwd_quad = a * (8 + (0.5 if c != 4 else 0)) if eager else (a * 8 if math else 0.0)
+    fwd_quad = a * c if eager else (a * 4 if math else 0.0)  # the scores before softmax
     first_norm = sum(v for k, v in saved.items() if k.startswith("ln1."))
     total = sum(saved.values())
     probs_quad = a * c if eager and c != 4 and f.model_type not in ("gpt2", "bert") else 0.0
     attn_freed = saved.get("o_in", 0.0)
     return _Block(total, quad, bwd_tok, fwd_quad, first_norm, total - before_mlp, attn_freed, probs_quad,
-                  attn_bwd_quad)
+                  attn_bwd_quad, mlp_fwd_tok)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -285,6 +344,10 @@ def logits_bytes(model: ModelSpec, plan: Plan, tokens: int) -> tuple[float, floa
         # + one chunk's head-weight gradient before it is added into .grad
         grad_w = v * model.hidden_size * (4 if c == 4 or rg.autocast else c) if plan.method is Method.FULL else 0
         return (c + up + 4) * v * chunk + head_cast, (c + up + 12) * v * chunk + head_cast + grad_w
+    if model.family.task == "masked-lm" and not rg.autocast:
+        # BERT's MLM loss takes the logits as they are: log_softmax saves them in the compute
+        # dtype, and its backward holds the nll and log_softmax gradients in it too
+        return 2 * c * v * tokens, 3 * c * v * tokens
     return (c + up + 4 + cap) * v * tokens + head_cast, (12 + cap) * v * tokens + head_cast
 
 
@@ -336,9 +399,10 @@ def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, momen
     if opt is Optimizer.ADAMW:
         return 2 * moment_bytes * n_trainable
     if opt in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
-        # two 8-bit moments + an fp32 absmax per 2048-block; small tensors stay 32-bit
+        # two 8-bit moments + an fp32 absmax each per 256-element block (bitsandbytes 0.45+);
+        # small tensors stay 32-bit
         small = _small_trainable(model, plan)
-        return (2 + 8 / 2048) * (n_trainable - small) + 8 * small
+        return (2 + 8 / BNB_BLOCK) * (n_trainable - small) + 8 * small
     # Adafactor: factored second moment, rows + cols per matrix, full for vectors
     if plan.is_peft:
         r = plan.lora_rank or 0
@@ -351,6 +415,29 @@ def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, momen
     in_matrices = sum(cnt * rows * cols for cnt, rows, cols in matrices)
     factored = sum(cnt * (rows + cols) for cnt, rows, cols in matrices)
     return moment_bytes * (factored + (n_trainable - in_matrices))
+
+
+def adafactor_step_bytes(model: ModelSpec, plan: Plan, elem_bytes: int) -> float:
+    """What torch's Adafactor step allocates at its worst: each matrix's variance estimate
+    (full size, in the gradient's dtype) is made while the previous one is still referenced,
+    so two consecutive matrices (parameter order) are alive at once."""
+    L = model.num_layers
+    if plan.is_peft:
+        r = plan.lora_rank or 0
+        layer = [x for _, i, o, part in model.linears()
+                 if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention" for x in (r * i, o * r)]
+        sizes = layer * min(L, 2)
+    else:
+        emb = [model.vocab_size * model.hidden_size]
+        if model.family.positions == "learned":
+            emb.append(model.max_position_embeddings * model.hidden_size)
+        # 0: a norm's vector between two matrices (GPT-2/BERT's first LayerNorm, the final norm)
+        sep = [0] if model.family.norm == "layernorm" else []
+        sizes = emb + sep + [i * o for _, i, o, _ in model.linears()] * min(L, 2)
+        if not model.tie_word_embeddings:
+            sizes += [0, model.vocab_size * model.hidden_size]
+    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+    return float(max(pairs) * elem_bytes)
 
 
 def _small_trainable(model: ModelSpec, plan: Plan) -> int:
@@ -388,7 +475,7 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     rg = regime(plan)
     masked = workload.lengths is not None and not plan.packing
     t_mem, s, t_time, keys = _tokens(plan, workload)
-    blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu")
+    blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
     L = model.num_layers
     c = rg.compute
 
@@ -413,9 +500,12 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     fwd_temp = t_mem * s * blk.fwd_quad
     if plan.method is Method.QLORA:  # one Linear dequantized to the compute dtype at a time
         dequant = max(i * o for _, i, o, _ in model.linears()) * c
-        bwd_temp += dequant
+        bwd_temp += dequant  # MatMul4Bit's backward always dequantizes
         attn_bwd_temp += dequant
-        fwd_temp += dequant
+        # forward: bitsandbytes' fused kernel up to 1536 rows on CUDA; beyond, and always
+        # on the CPU, dequantize + linear (runtime.bnb_decompositions)
+        if cluster.gpu.kind == "cpu" or t_mem > 1536:
+            fwd_temp += dequant
 
     # -- model states
     sb = state_bytes(model, plan)
@@ -427,7 +517,7 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     step_tmp = 0.0
     if plan.optimizer is Optimizer.ADAFACTOR:
-        step_tmp = 2 * 4 * max(r * cc for _, r, cc in model.matrix_shapes())
+        step_tmp = adafactor_step_bytes(model, plan, sb.param_elem_bytes)
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, step_tmp)
     # autocast caches a 16-bit copy of every fp32 weight a matmul uses, and the matmuls
     # save them for backward
@@ -440,6 +530,10 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
             autocast_copies = 2 * (model.linear_params() + head_copy)
     elif rg.autocast:  # the fp32 LoRA adapters
         autocast_copies = 2 * sb.trainable_weights / sb.param_elem_bytes
+        if plan.checkpointing is Checkpointing.FULL:
+            autocast_copies /= L
+    # by the first block's backward the other blocks' copies are freed with their saved tensors
+    first_block_copies = autocast_copies if plan.checkpointing is Checkpointing.FULL else autocast_copies / L
     # gradients alive while the last block runs backward: the accumulated ones, or (first
     # micro-batch) the output head's, sharded where the engine shards gradients
     head_grads = model.vocab_size * model.hidden_size * sb.grad_elem_bytes if plan.method is Method.FULL else 0
@@ -449,6 +543,7 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
         tail = sum(i * o for n, i, o, part in model.linears() if part == "mlp" or n in ("o_proj", "attn.c_proj"))
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
 
+    tied_grad = early_grads if model.tie_word_embeddings else 0.0
     states = {"weights": st.weights + autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + mask
     moments = {
@@ -457,7 +552,15 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
             "gradients": st.grad_accum_present,
             "activations": activations,
             "logits": logits_fwd,
-            "temporary": persistent_tmp + fwd_temp,
+            "temporary": persistent_tmp,
+        },
+        # the last block's forward (eager's scores, the MLP's transients): before the logits
+        "block-forward": {
+            **states,
+            "gradients": st.grad_accum_present,
+            "activations": activations - head,
+            "logits": 0.0,
+            "temporary": persistent_tmp + max(fwd_temp, t_mem * blk.mlp_fwd_tok),
         },
         "loss-backward": {
             **states,
@@ -486,12 +589,25 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
         },
         "first-block-backward": {
             **states,
+            "weights": st.weights + first_block_copies,
             "gradients": max(st.grad_accum_present, st.gradients - layer_trainable * sb.grad_elem_bytes
                              * st.gradients / max(sb.gradients, 1)),
             "activations": (t_mem * rg.resid * model.hidden_size if plan.checkpointing is Checkpointing.FULL else 0)
             + block_bytes + rope,
             "logits": 0.0,
             "temporary": persistent_tmp + bwd_temp,
+        },
+        # the end of backward: every gradient; with tied embeddings the head's and the
+        # embedding's gradients meet in the shared weight's .grad, added out of place, all
+        # three alive at once
+        # (the head's one was made in the loss's backward: a storage tracker calls it logits)
+        "backward-end": {
+            "weights": st.weights,
+            "optimizer": st.optimizer,
+            "gradients": st.gradients,
+            "activations": 0.0,
+            "logits": tied_grad,
+            "temporary": persistent_tmp + tied_grad,
         },
         "optimizer-step": {
             "weights": st.weights,
@@ -502,6 +618,21 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
             "temporary": st.comm_buffers + st.step_temporary,
         },
     }
+    if plan.checkpointing is Checkpointing.FULL:
+        # a block being recomputed in backward, in the middle of its MLP: what it saves so
+        # far plus the MLP's forward transients (counted as activations: they are recomputed)
+        mlp_fwd = t_mem * blk.mlp_fwd_tok
+        incoming = 2 * t_mem * model.hidden_size * c  # the gradient arriving at the block
+        moments["block-recompute"] = {
+            **moments["block-backward"],
+            "activations": activations - head + recompute + mlp_fwd,
+            "temporary": persistent_tmp + incoming,
+        }
+        moments["first-block-recompute"] = {
+            **moments["first-block-backward"],
+            "activations": moments["first-block-backward"]["activations"] + mlp_fwd,
+            "temporary": persistent_tmp + incoming,
+        }
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
     peak_allocated = sum(comp.values())
@@ -553,13 +684,20 @@ def _throughput(plan: Plan, ctx: EvalContext, sb: costs.StateBytes, blk: _Block,
     elementwise = 4 * block_bytes * L * (1.5 if plan.checkpointing is Checkpointing.FULL else 1.0)
     logits_traffic = 0 if plan.fused_loss else (regime(plan).compute + 16) * model.vocab_size * tokens
     dequant = 0.0
-    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use (fwd, bwd, recompute)
-        uses = 3 if plan.checkpointing is Checkpointing.FULL else 2
+    uses = 3 if plan.checkpointing is Checkpointing.FULL else 2  # forward, backward (+ recompute)
+    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use
         dequant = model.linear_params() * (NF4_BYTES_PER_PARAM + 2) * uses
-    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant) / mem_bw
+    casts = 0.0
+    if regime(plan).autocast and plan.method is Method.FULL:
+        # autocast reads each fp32 weight and writes its 16-bit copy per forward (and
+        # recompute); backward casts the 16-bit weight gradients back to fp32
+        casts = (block_mm + head_params) * (4 + 2) * uses
+    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant + casts) / mem_bw
     backward_s = (bwd + recompute) / (peak * eff)
     comm = costs.comm_time(plan, model, cluster, sb, backward_s)
     opt_s = costs.optimizer_step_bytes(plan, sb) / mem_bw
+    if plan.zero_stage >= 1 or plan.engine == "fsdp":
+        opt_s /= cluster.world_size  # every rank steps only its shard of the states
     ga = plan.grad_accum
     step = ga * (micro_s + comm.per_micro_batch) + opt_s + comm.per_step + comm.offload
     compute_s = ga * micro_s + opt_s

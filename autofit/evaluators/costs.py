@@ -83,6 +83,26 @@ def compute_dtype(plan: Plan) -> str:
     }[plan.precision]
 
 
+def cuda_sdpa_kernel(capability: tuple[int, int], dtype: str, head_dim: int, masked: bool, gqa: bool,
+                     requires_grad: bool = True) -> str:
+    """The sdpa backend torch 2.13 picks on a CUDA GPU: ``flash``, ``efficient`` or ``math``.
+
+    Priority flash, efficient, math (``sdp_utils.cpp``). Flash: fp16/bf16, no mask,
+    head_dim <= 256 (<= 192 with gradients on sm86/sm89), sm80+, grouped KV heads native.
+    Efficient: masks and fp32, no grouped KV heads. ``dtype`` is "bf16", "fp16" or "fp32";
+    ``gqa``: fewer KV heads than query heads passed as they are (transformers does so only
+    without a mask; with one it repeats them first).
+    """
+    half = dtype in ("bf16", "fp16")
+    dtype_ok = dtype != "bf16" or capability >= (8, 0)
+    if half and dtype_ok and not masked and capability >= (8, 0) and head_dim <= 256:
+        if not (requires_grad and head_dim > 192 and capability in ((8, 6), (8, 9))):
+            return "flash"
+    if not gqa and dtype_ok and capability >= (5, 0):
+        return "efficient"
+    return "math"
+
+
 # -- model states under sharding ---------------------------------------------------------
 @dataclass(frozen=True)
 class StateBytes:

@@ -21,8 +21,9 @@ component by the phase and region it was created in:
 - ``temporary``: everything else (backward intermediates, buckets, optimizer temporaries)
 
 torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` gives a similar
-breakdown but took ~90 s per Mistral-7B step against ~6 s for a log like this one
-(shared/FIELD-NOTES.md), so we keep our own.
+breakdown and the same peak, but took 24.5 s per fake Mistral-7B step (seq 4096) against
+2.1 s for this tracker and 1.6 s for the bare step
+(benchmarks/results/2026-12-02-simulated-speed.md), so we keep our own.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _plain_tensors(items: Iterable) -> Iterator[torch.Tensor]:
 class StorageTracker(TorchDispatchMode):
     """Log every storage an op creates, and when it dies."""
 
-    def __init__(self, record_ops: bool = False, budget: int | None = None, skip_meta: bool = False) -> None:
+    def __init__(self, record_ops: bool = False, budget: int | None = None, skip_meta: bool = False,
+                 decompositions: dict | None = None) -> None:
         super().__init__()
         self.record_ops = record_ops
         # measured runs build models on the meta device (no memory); fake tensors keep
@@ -100,6 +102,11 @@ class StorageTracker(TorchDispatchMode):
         # measured runs on the CPU: bytes this rank may hold at once (see _exceeded)
         self.budget = budget
         self.budget_hit: dict | None = None
+        # {op: (when(*args, **kwargs) -> bool, impl)}: ops whose kernels allocate
+        # temporaries of their own; when ``when`` says so, ``impl`` (the kernel's own Python
+        # implementation) runs under the tracker instead, so those temporaries are seen
+        # (see runtime.bnb_decompositions)
+        self.decompositions = decompositions or {}
         self._op = ""
         self.log: list[tuple[int, int]] = []  # (storage key, +/- rounded bytes)
         self.recs: dict[int, _Rec] = {}
@@ -196,6 +203,10 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dec = self.decompositions.get(func)
+        if dec is not None and dec[0](*args, **(kwargs or {})):
+            with self:
+                return dec[1](*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if self.record_ops:
             self._op = f"{func.__name__}{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}"

@@ -74,12 +74,19 @@ def hf_model_class(spec: ModelSpec):
     return transformers.AutoModelForCausalLM
 
 
-def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
-    """The exact architecture with random weights and the plan applied, on ``device``."""
+def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0,
+                attn_impl: str | None = None) -> torch.nn.Module:
+    """The exact architecture with random weights and the plan applied, on ``device``.
+
+    ``device="meta"`` builds without memory (the simulator then swaps in fake tensors with
+    :func:`to_fake`); QLoRA weights stay unquantized there and are packed by ``to_fake``.
+    ``attn_impl`` overrides the plan's attention implementation by its transformers name
+    (the simulator's stand-in for flash_attention_2).
+    """
     torch.manual_seed(seed)
     lay = layout(plan)
     cfg = spec.to_hf_config()
-    cfg._attn_implementation = ATTN_IMPL[plan.attention]
+    cfg._attn_implementation = attn_impl or ATTN_IMPL[plan.attention]
     cfg.use_cache = False
     cls = hf_model_class(spec)
     with torch.device(device):
@@ -89,19 +96,7 @@ def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu",
             model = cls(cfg).to(lay.base_dtype)
     if plan.method is Method.QLORA:
         quantize_linears(model, spec, half_dtype(plan), device)
-    if plan.is_peft:
-        from peft import get_peft_model
-
-        for p in model.parameters():
-            p.requires_grad_(False)
-        model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
-        for n, p in model.named_parameters():
-            if p.requires_grad:
-                p.data = p.data.to(lay.adapter_dtype)
-    if plan.checkpointing is Checkpointing.FULL:
-        enable_checkpointing(model, {"use_reentrant": False})
-    model.train()
-    return model
+    return _apply_plan(model, spec, plan)
 
 
 def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -125,7 +120,7 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
     shard them; default uint8).
     """
     for name, parent, child_name, child in _quant_targets(model, spec):
-        weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).float().contiguous()
+        weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).contiguous()
         setattr(parent, child_name, _linear4bit(weight, child.bias, compute_dtype, device, quant_storage))
 
 
@@ -147,7 +142,12 @@ def _quant_targets(model: torch.nn.Module, spec: ModelSpec):
 
 def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype, device,
                 quant_storage: torch.dtype | None = None) -> torch.nn.Module:
-    """An NF4 Linear4bit quantized from ``weight`` (out × in) on ``device``."""
+    """An NF4 Linear4bit quantized from ``weight`` (out × in) on ``device``.
+
+    Weights are quantized from ``compute_dtype``, as transformers' bitsandbytes loader does
+    with ``torch_dtype`` = compute dtype: the quant state's dtype decides what dequantization
+    produces (16-bit, not an fp32 temporary plus a cast). On ``meta`` nothing is quantized.
+    """
     import bitsandbytes as bnb
 
     storage = {} if quant_storage is None else {"quant_storage": quant_storage}
@@ -157,7 +157,7 @@ def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: 
         compress_statistics=NF4_DOUBLE_QUANT, device="meta", **storage,
     )
     q.weight = bnb.nn.Params4bit(
-        weight, requires_grad=False, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT, **storage,
+        weight.to(compute_dtype), requires_grad=False, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT, **storage,
     )
     if bias is not None:
         q.bias = torch.nn.Parameter(bias.data.to(device=weight.device, dtype=compute_dtype), requires_grad=False)
@@ -235,6 +235,110 @@ def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn
     return model
 
 
+def _quant_states(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any]]:
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is not None:
+            yield m, qs
+
+
+def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds before a step: parameters, buffers and bitsandbytes'
+    quant states (absmax, codes, offset), which are neither but live as long as the weight."""
+    out = list(model.parameters()) + list(model.buffers())
+    for _, qs in _quant_states(model):
+        for st in (qs, qs.state2):
+            if st is not None:
+                out += [t for t in (st.absmax, st.code, st.offset) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
+    """Replace every parameter and buffer of a model built on ``meta`` by a fake tensor.
+
+    peft cannot wrap a model built under FakeTensorMode (swap_tensors refuses tensors with
+    weakrefs, shared/FIELD-NOTES.md), so the model is built and wrapped on ``meta`` and its
+    tensors are swapped here, keeping ties (one fake per shared tensor) and requires_grad.
+    QLoRA weights are quantized by bitsandbytes' own ``quantize_4bit`` under the fake mode:
+    its ops have fake kernels, so the packed weight and the double-quantized state have
+    exactly bitsandbytes' shapes without a byte of real memory.
+    """
+    import bitsandbytes as bnb  # noqa: F401 - only needed for QLoRA, cheap when installed
+
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return memo[id(t)]
+
+    for m in model.modules():
+        weight = m._parameters.get("weight")
+        if weight is not None and type(weight).__name__ == "Params4bit" and not weight.bnb_quantized:
+            _fake_quantize(m, fake(weight), mode)
+            memo[id(weight)] = m.weight
+        for name, p in list(m._parameters.items()):
+            if p is not None and not _is_fake(p):
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                m._parameters[name] = memo[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is not None and not _is_fake(b):
+                m._buffers[name] = fake(b)
+        for name, v in list(vars(m).items()):  # plain tensor attributes (e.g. rotary's original_inv_freq)
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type == "meta":
+                setattr(m, name, fake(v))
+    return model
+
+
+def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
+    import bitsandbytes as bnb
+
+    from bitsandbytes.functional import create_dynamic_map, name2qmap
+
+    # the double quantization's code is built from Python floats (.tolist()), which a
+    # fake tensor cannot give: build it for real once, as bitsandbytes caches it anyway
+    if "dynamic" not in name2qmap:
+        name2qmap["dynamic"] = create_dynamic_map()
+    src = module.weight
+    with mode:
+        packed, qs = bnb.functional.quantize_4bit(
+            weight, blocksize=src.blocksize, compress_statistics=src.compress_statistics,
+            quant_type=src.quant_type, quant_storage=src.quant_storage,
+        )
+    p = torch.nn.Parameter(packed, requires_grad=False)
+    # what Params4bit carries; a fake tensor cannot be re-wrapped as Params4bit, and
+    # Linear4bit.forward only reads these attributes
+    for k in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
+        setattr(p, k, getattr(src, k))
+    p.quant_state, p.bnb_quantized, p.module = qs, True, module
+    module._parameters["weight"] = p
+    module.quant_state = qs
+
+
+def bnb_decompositions(kind: str) -> dict:
+    """bitsandbytes ops a storage tracker should see into, for a device of ``kind``.
+
+    ``gemm_4bit`` is one op to the dispatcher, but on the CPU (always) and on CUDA for more
+    than 1536 rows (bitsandbytes 0.50's ``_gemm_4bit_custom_max_m``) it runs
+    ``_gemm_4bit_default_impl``: the absmax dequantized to fp32 and the whole weight
+    dequantized to the compute dtype before a plain linear. Those temporaries are real
+    memory; the tracker sees them when it runs that function in place of the op.
+    """
+    try:
+        from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+        op = torch.ops.bitsandbytes.gemm_4bit.default
+    except (ImportError, AttributeError):
+        return {}
+    max_custom_rows = 0 if kind == "cpu" else 1536
+
+    def when(a, *args, **kwargs) -> bool:
+        return a.numel() // a.shape[-1] > max_custom_rows
+
+    return {op: (when, _gemm_4bit_default_impl)}
+
+
 def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if plan.optimizer is Optimizer.ADAMW:
@@ -301,7 +405,9 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 # -- loss ------------------------------------------------------------------------------------
 def _chunk_loss(hidden, weight, bias, labels, softcap):
-    logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)).float()
+    # the chunk is cast to the head's dtype, never the head to the chunk's: an fp32 chunk
+    # (a LayerNorm output under CUDA autocast) would otherwise copy the whole head per chunk
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -340,13 +446,17 @@ class StepRunner:
     def __init__(self, spec: ModelSpec, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: str | torch.device = "cpu", tracker: StorageTracker | None = None,
                  backward: Callable[[torch.Tensor], None] | None = None,
-                 micro_batch_context: Callable[[int, int], Any] | None = None) -> None:
+                 micro_batch_context: Callable[[int, int], Any] | None = None, kernels: Any = None) -> None:
         """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
         ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
-        DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``)."""
+        DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``).
+        ``kernels``: a factory of a context manager entered around every forward computation,
+        the checkpoint recompute in backward included (the simulator's stand-ins for a target
+        GPU's kernels on fake CPU tensors)."""
         self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
         self.device = torch.device(device)
         self.tracker = tracker
+        self.kernels = kernels
         self._backward = backward
         self._micro_context = micro_batch_context
         self.lay = layout(plan)
@@ -359,8 +469,9 @@ class StepRunner:
         self._hooks = []
         if tracker is not None and not plan.fused_loss:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
-        if tracker is not None and plan.checkpointing is not Checkpointing.NONE:
-            # re-enable with a context for the recompute, so recomputed tensors count as activations
+        if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
+            # re-enable with a context for the recompute, so recomputed tensors count as
+            # activations and run the same kernels as their forward
             enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
@@ -375,7 +486,18 @@ class StepRunner:
         return None
 
     def _checkpoint_contexts(self):
-        return contextlib.nullcontext(), self.tracker.in_phase("recompute")
+        return contextlib.nullcontext(), self._recompute()
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        with contextlib.ExitStack() as stack:
+            if self.tracker is not None:
+                stack.enter_context(self.tracker.in_phase("recompute"))
+            stack.enter_context(self._kernels())
+            yield
+
+    def _kernels(self):
+        return self.kernels() if self.kernels is not None else contextlib.nullcontext()
 
     def _autocast(self):
         if self.lay.autocast_dtype is None:
@@ -407,7 +529,7 @@ class StepRunner:
         for i, batch in enumerate(batches):
             micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
             with micro:
-                with self._phase("forward", step), self._autocast():
+                with self._phase("forward", step), self._autocast(), self._kernels():
                     loss = self.loss(batch) / len(batches)
                 if self.tracker is not None:
                     self.tracker.region = ""
@@ -424,7 +546,7 @@ class StepRunner:
             del loss
         if self.tracker is not None:
             self.tracker.mark([p.grad for p in self.model.parameters() if p.grad is not None], "gradients")
-        with self._phase("optimizer", step):
+        with self._phase("optimizer", step), _real_scalars(self.model):
             self.optimizer.step()
             if self.tracker is not None:
                 self.tracker.mark(_state_tensors(self.optimizer), "optimizer")
@@ -441,6 +563,43 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):
         model = model.module
     return model
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                yield v
+
+
+def batches_for(spec: ModelSpec, plan: Plan, workload: Workload, device: Any = "cpu", step: int = 0,
+                worst_case: bool = True) -> list[dict[str, torch.Tensor]]:
+    return [
+        synthetic_batch(spec, plan, workload, device, seed=1000 * step + i, worst_case=worst_case)
+        for i in range(plan.grad_accum)
+    ]
+
+
+def _real_scalars(model: torch.nn.Module):
+    """Run the optimizer step of a fake model outside the fake mode.
+
+    Optimizers keep step counts in 0-dim tensors and some read them back (Adafactor's
+    ``step.item()``), which a fake tensor cannot answer. Outside the mode those counters
+    are created real, while every op on a fake parameter, gradient or state still runs
+    fake (a fake tensor dispatches to its own mode).
+    """
+    p = next(iter(model.parameters()), None)
+    if p is not None and _is_fake(p):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+    return contextlib.nullcontext()
 
 
 def _is_fake(t: torch.Tensor) -> bool:

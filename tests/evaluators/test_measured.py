@@ -61,15 +61,15 @@ def test_local_gpu_names_map_to_the_catalog(device, memory_gib, expected):
 def test_backends_measured_and_auto():
     cpu = cpu_ctx()
     assert resolve_backend("measured", cpu) == "measured"
-    # the CPU target is measured only when asked: auto plans with the estimator
-    assert resolve_backend("auto", cpu) == "analytic"
+    # the CPU target is measured only when asked: auto plans with the simulator
+    assert resolve_backend("auto", cpu) == "simulated"
     from autofit.evaluators.measured import local_gpus
     from autofit.specs import GPUS
 
     here = {g.name for g in local_gpus() if g is not None}
     absent = next(name for name in GPUS if name not in here)
     gpu = EvalContext(tiny("mistral-7b"), parse_cluster(f"1x{absent}"), Workload(seq_len=128, global_batch=4))
-    assert resolve_backend("auto", gpu) == "analytic"  # this machine has no such GPU
+    assert resolve_backend("auto", gpu) == "simulated"  # this machine has no such GPU
     with pytest.raises(AutofitError, match=f"needs 1x{absent} on this machine"):
         resolve_backend("measured", gpu)
     assert isinstance(get_evaluator("measured", timed_steps=1), MeasuredEvaluator)

@@ -1,0 +1,805 @@
+"""The simulated evaluator: the real training step of the real architecture under fake tensors.
+
+The model is built from its config on ``meta`` (transformers ``from_config``, peft LoRA,
+bitsandbytes NF4 layers, checkpointing through the model's API — all by
+``runtime.build_model``), its tensors are swapped for fake ones (``runtime.to_fake``), and
+``runtime.StepRunner`` runs two full optimizer steps of ``min(grad_accum, 2)``
+micro-batches under ``FakeTensorMode``. A ``StorageTracker`` logs every storage; the
+breakdown at the peak is the anatomy. Nothing is allocated and no GPU is needed.
+
+Decisions, and why
+------------------
+**Fake CPU tensors, with the target's CUDA kernels substituted explicitly.** Fake tensors
+*can* carry ``device="cuda"`` here, but not through a training step: with this torch
+(2.13.0+cpu) the first op that records autograd history on a fake CUDA tensor aborts the
+process (``InputMetadata`` asks for a CUDA device guard the CPU build does not have; a C++
+``terminate``, not an exception — ``FakeTensorMode``'s ``_ensureCUDADeviceGuardSet`` only
+patches builds that have CUDA compiled in), and ``aten._fused_sdp_choice`` has no fake
+kernel for CUDA. Even on a CUDA build torch would choose kernels for the *local* GPU, not
+for the target in the catalog. So every trace runs on fake CPU tensors, and for a CUDA
+target :class:`CudaKernels` replaces, while the step runs, the CPU's choices that change
+what is saved or allocated with the ones torch 2.13 makes on the target:
+
+1. sdpa: after autocast's cast to 16-bit, flash (16-bit, no mask, head_dim <= 256 and
+   <= 192 with gradients on sm86/89, sm80+, GQA native), else memory-efficient (mask or
+   fp32, no GQA), else math — the order and constraints of ``sdp_utils.cpp``, in
+   ``costs.cuda_sdpa_kernel`` which the analytic evaluator shares — called as the aten ops
+   themselves, which have fake kernels and autograd formulas, so their saved
+   out/logsumexp/rng state are traced. (On the CPU, sdpa with dropout runs the math
+   kernel, which upcasts 16-bit to fp32 and keeps s² probabilities.)
+2. dropout: CUDA's fused ``native_dropout`` keeps a bool mask; the CPU keeps it in the
+   input dtype.
+3. autocast: CUDA autocast runs layer_norm, pow, rsqrt, exp, log, softmax without dtype,
+   ... in fp32 (GPT-2's GELU and LayerNorm upcast there); CPU autocast leaves them 16-bit.
+4. bitsandbytes ``gemm_4bit`` dequantizes the whole weight above 1536 rows on CUDA and
+   always on the CPU (``runtime.bnb_decompositions``): the tracker sees those temporaries.
+
+The substitutes are entered around every forward and every checkpoint recompute
+(``runtime.StepRunner(kernels=...)``), so a recomputed block saves what its forward saved.
+CPU targets (``1xcpu``) trace the CPU's own kernels, unchanged; that is what the tests
+compare with real CPU steps, byte for byte. Not corrected: the math fallback with dropout
+on a CUDA target keeps a float mask (no valid plan reaches it: dropout models are MHA and go
+to the efficient kernel); cuBLAS/cuDNN workspaces are not tensors (they are in
+``overhead``); paged 8-bit optimizer states are counted as device memory (bitsandbytes
+pages them only under pressure).
+
+Values a fake tensor does not have are supplied where the step reads them: transformers'
+packed-sequence and all-ones-mask checks are answered from the synthetic batch the trace
+was made from, optimizer step counters stay real (``runtime._real_scalars``), and a value
+read back from a fake tensor (Adafactor's parameter RMS) reads 1; none changes a size.
+
+**flash2.** flash_attn does not run here (no package, no GPU). Plans with flash2 are
+traced with :func:`flash2_attention`, registered as a transformers attention function,
+which calls aten's FlashAttention-2 kernel (``_scaled_dot_product_flash_attention``): it
+saves what flash_attn's ``FlashAttnFunc`` saves (q, k, v, out, logsumexp, rng state), with
+native GQA. Padded batches are unpadded the way transformers' flash path does (a contiguous
+copy, a gather of the real tokens, zeros + scatter for the output); packed rows run as one
+row (same tensors as the varlen kernel). Attention FLOPs are scaled by sum(l²)/(sum l)²
+for packed and unpadded rows, since the varlen kernel does not attend across sequences.
+
+**Sharding: one rank traced unsharded, states divided by arithmetic.** Torch's fake
+process group fails on transformers' models (FSDP2 hits ``_local_scalar_dense``,
+shared/FIELD-NOTES.md) and DeepSpeed cannot run on fake tensors; and what sharding changes
+per rank is model states and buckets, which follow from the config (``costs.shard_states``),
+while activations, logits and temporaries of a rank do not change. So the module is traced
+once in the engine's compute layout (``runtime.layout``: DeepSpeed and FSDP2 compute on
+16-bit parameters), and every event of the steady-state step is re-costed with weights,
+gradients and optimizer states as the engine shards them, plus its gather/reduce buckets;
+the peak is the largest re-costed event (it can move: sharding shrinks states, not
+activations).
+
+**Memoization.** A trace depends only on :class:`TraceKey`: the architecture's
+fingerprint, the workload's shape, the fields of the plan that change the step (method,
+rank, targets, precision, optimizer, micro-batch, ``min(grad_accum, 2)`` micro-batches —
+a second one runs with gradients present, more change nothing per micro-batch —
+checkpointing, attention, packing, fused loss, engine layout: plain torch or 16-bit
+sharded) and the target's kernels (device kind and compute capability). Sharding stage,
+offload, world size, GPU type of the same capability, GPU memory and headroom re-use it;
+:class:`TraceCache` keeps the last 64 per process.
+
+**Time.** A roofline over the traced ops of the steady-state step: FLOPs from
+``torch.utils.flop_counter``'s formulas, bytes from each op's inputs and outputs, each op
+taking max(FLOPs / (peak × ``costs.matmul_efficiency``), bytes / (bandwidth ×
+``costs.MEMORY_EFFICIENCY``)); communication, offload transfers and the CPU optimizer from
+``costs.comm_time`` with the traced backward time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from autofit.evaluators import costs
+from autofit.evaluators.base import (
+    EvalContext,
+    Evaluator,
+    MemoryAnatomy,
+    Status,
+    StepCallback,
+    Throughput,
+    TrialResult,
+    judge,
+)
+from autofit.plan import Attention, Offload, Plan
+from autofit.specs import ModelSpec, Workload
+from autofit.specs.gpus import GPUSpec
+
+FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
+CACHE_SIZE = 64
+_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits")
+
+
+# -- what a trace depends on -------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """What decides the kernels a trace runs: the device kind and its compute capability."""
+
+    kind: str  # "cpu" or "cuda"
+    capability: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def of(cls, gpu: GPUSpec) -> "Target":
+        return cls("cpu") if gpu.kind == "cpu" else cls("cuda", tuple(gpu.compute_capability))
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    model: str  # ModelSpec.fingerprint
+    seq_len: int
+    lengths: tuple[tuple[int, int], ...] | None
+    method: str
+    lora_rank: int | None
+    lora_targets: str
+    precision: str
+    optimizer: str
+    micro_batch: int
+    micro_batches: int  # min(grad_accum, 2): a second micro-batch runs with gradients present
+    checkpointing: str
+    attention: str
+    packing: bool
+    fused_loss: bool
+    sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
+    target: Target
+
+    @classmethod
+    def of(cls, plan: Plan, model: ModelSpec, workload: Workload, target: Target) -> "TraceKey":
+        return cls(
+            model=model.fingerprint,
+            seq_len=workload.seq_len,
+            lengths=workload.lengths.histogram if workload.lengths else None,
+            method=plan.method.value,
+            lora_rank=plan.lora_rank,
+            lora_targets=plan.lora_targets.value,
+            precision=plan.precision.value,
+            optimizer=plan.optimizer.value,
+            micro_batch=plan.micro_batch,
+            micro_batches=min(plan.grad_accum, 2),
+            checkpointing=plan.checkpointing.value,
+            attention=plan.attention.value,
+            packing=plan.packing,
+            fused_loss=plan.fused_loss,
+            sharded_layout=plan.engine != "torch",
+            target=target,
+        )
+
+
+# -- CUDA kernels on fake CPU tensors ----------------------------------------------------
+def cuda_sdpa_kernel(capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool,
+                     requires_grad: bool) -> str:
+    """``costs.cuda_sdpa_kernel`` for a torch dtype (the analytic evaluator shares the rule)."""
+    import torch
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return costs.cuda_sdpa_kernel(capability, name, head_dim, masked, gqa, requires_grad)
+
+
+# CUDA autocast's fp32 policies for ops CPU autocast does not list (autocast_mode.cpp)
+_FP32_CAST = frozenset({
+    "pow", "__pow__", "__rpow__", "rsqrt", "exp", "log", "log10", "log2", "log1p", "expm1", "reciprocal",
+    "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "layer_norm", "group_norm", "norm",
+    "cosine_similarity", "logsumexp", "dist", "cdist", "renorm",
+})
+_FP32_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"})
+
+
+def _make_cuda_kernels():
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    aten = torch.ops.aten
+    half = (torch.float16, torch.bfloat16)
+
+    def upcast(x):
+        if isinstance(x, torch.Tensor) and x.dtype in half:
+            return x.float()
+        if isinstance(x, (list, tuple)):
+            return type(x)(upcast(y) for y in x)
+        return x
+
+    class CudaKernels(TorchFunctionMode):
+        """Run, on fake CPU tensors, the kernels a CUDA GPU of ``capability`` would run.
+
+        See the module docstring (items 1-3) for what differs and why it matters.
+        """
+
+        def __init__(self, capability: tuple[int, int]) -> None:
+            super().__init__()
+            self.capability = capability
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                return self.sdpa(*args, **kwargs)
+            if func is F.dropout or func is torch.dropout:
+                return self.dropout(func, *args, **kwargs)
+            name = getattr(func, "__name__", "")
+            if (name in _FP32_CAST or name in _FP32_DTYPE) and torch.is_autocast_enabled("cpu"):
+                if name in _FP32_CAST:
+                    args, kwargs = upcast(args), {k: upcast(v) for k, v in kwargs.items()}
+                elif kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) \
+                        and args[0].dtype in half and len(args) <= 2:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return func(*args, **kwargs)
+
+        def dropout(self, func, input, p=0.5, training=True, inplace=False):
+            if training and 0 < p < 1 and not inplace:
+                return torch.native_dropout(input, p, True)[0]
+            return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)
+
+        def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            if torch.is_autocast_enabled("cpu"):  # sdpa is on autocast's 16-bit list: cast first
+                low = torch.get_autocast_dtype("cpu")
+                q, k, v = (t.to(low) if t.dtype is torch.float32 else t for t in (q, k, v))
+                if attn_mask is not None and attn_mask.dtype is torch.float32:
+                    attn_mask = attn_mask.to(low)
+            gqa = enable_gqa and k.shape[-3] != q.shape[-3]
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            kernel = cuda_sdpa_kernel(self.capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad)
+            if kernel == "flash":
+                return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            if kernel == "efficient":
+                bias = attn_mask
+                if bias is not None and bias.dtype is torch.bool:  # convert_boolean_attn_mask
+                    bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
+                if bias is not None:
+                    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+                return aten._scaled_dot_product_efficient_attention(
+                    q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    return CudaKernels
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_kernels_mode():
+    return _make_cuda_kernels()
+
+
+# -- flash2 ------------------------------------------------------------------------------
+def flash2_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                     softcap=None, is_causal=None, **kwargs):
+    """FlashAttention-2 as transformers' flash path runs it, through aten's FA2 kernel.
+
+    q/k/v arrive as [batch, heads, seq, dim]; returns [batch, seq, heads, dim] like
+    transformers' ``flash_attention_forward``. Sliding window and soft-cap change no
+    tensor (FA2 applies them inside the kernel) and are not emulated.
+    """
+    import torch
+
+    aten = torch.ops.aten
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    lengths = getattr(attention_mask, "_autofit_lengths", None) if attention_mask is not None else None
+    if lengths is None:
+        out = aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False, scale=scaling)[0]
+        return out.transpose(1, 2), None
+    b, h, s, d = query.shape
+    n = sum(lengths)
+    idx = torch.empty(n, dtype=torch.long, device=query.device)  # the real tokens' positions (values unused)
+
+    def unpad(x):  # transformers' _index_first_axis: contiguous [b, s, h, d], then a gather
+        return x.transpose(1, 2).contiguous().reshape(b * s, x.shape[1], d)[idx]
+
+    q, k, v = (unpad(x).transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    out = aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scaling)[0]
+    out = out.squeeze(0).transpose(0, 1)  # [n, h, d]
+    padded = out.new_zeros(b * s, h, d)
+    padded[idx] = out
+    return padded.view(b, s, h, d), None
+
+
+def _flash2_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """The 2D padding mask, passed through unsliced (the simulator drops all-ones masks)."""
+    return attention_mask
+
+
+@functools.lru_cache(maxsize=1)
+def register_flash2() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(FLASH2_IMPL, flash2_attention)
+    AttentionMaskInterface.register(FLASH2_IMPL, _flash2_mask)
+    return FLASH2_IMPL
+
+
+# -- the trace ---------------------------------------------------------------------------
+@dataclass
+class OpCosts:
+    """FLOPs and bytes of the steady-state step's ops, per phase, as (op, flops, bytes, dtype) rows."""
+
+    rows: dict[str, list[tuple[str, float, float, str]]] = field(default_factory=dict)
+
+    def add(self, phase: str, op: str, flops: float, nbytes: float, dtype: str) -> None:
+        self.rows.setdefault(phase, []).append((op, flops, nbytes, dtype))
+
+    def flops(self, phase: str | None = None) -> float:
+        phases = [phase] if phase else list(self.rows)
+        return sum(f for p in phases for _, f, _, _ in self.rows.get(p, ()))
+
+    def by_op(self, phase: str, gpu: GPUSpec, tokens: float) -> dict[str, float]:
+        """Roofline seconds per op name (what dominates a phase)."""
+        out: dict[str, float] = {}
+        for op, f, b, d in self.rows.get(phase, ()):
+            out[op] = out.get(op, 0.0) + _op_seconds(f, b, d, gpu, tokens)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def seconds(self, phase: str, gpu: GPUSpec, tokens: float) -> float:
+        """Roofline time: each op bound by its FLOPs or its bytes, whichever is slower."""
+        return sum(_op_seconds(f, b, d, gpu, tokens) for _, f, b, d in self.rows.get(phase, ()))
+
+
+def _op_seconds(flops: float, nbytes: float, dtype: str, gpu: GPUSpec, tokens: float) -> float:
+    compute = flops / (gpu.peak_flops(dtype) * costs.matmul_efficiency(tokens)) if flops else 0.0
+    return max(compute, nbytes / (gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY))
+
+
+@dataclass
+class Trace:
+    """What one traced step leaves behind: the storage log, the phases, the op costs."""
+
+    key: TraceKey
+    log: list[tuple[int, int]]
+    kinds: dict[int, str]  # storage key -> component
+    marks: list[tuple[int, str, int]]  # (event index, phase, step) when a phase starts
+    peak: int
+    peak_components: dict[str, int]
+    peak_phase: str
+    ops: OpCosts
+    n_params: int
+    n_trainable: int
+    grad_bytes: int  # every trainable parameter's gradient, as traced (allocator blocks)
+    tokens: int  # tokens of one micro-batch as traced (padded)
+    micro_batches: int
+    seconds: float  # wall time of the trace
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype_class(dtype) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def _make_tracer():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+    from autofit.evaluators.memtrack import StorageTracker
+
+    aten = torch.ops.aten
+    scalar_read = aten._local_scalar_dense.default
+    attention_ops = {
+        aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+    }
+    cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    cpu_flash_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    free = {aten._unsafe_view.default, aten.detach.default, aten.lift_fresh.default, aten.empty.memory_format,
+            aten.empty_strided.default, aten.new_empty.default, aten.new_empty_strided.default,
+            aten.empty_like.default}
+
+    @functools.lru_cache(maxsize=None)
+    def written_args(func) -> tuple[int, ...]:
+        """Positions of the arguments an op writes in place that it does not also return."""
+        if func._schema.returns:
+            return ()
+        return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+    def _causal(func, args, kwargs) -> bool:
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return bool(bound.get("is_causal", False))
+
+    class Tracer(StorageTracker):
+        """The storage tracker plus phase marks and per-op FLOPs/bytes of the last step."""
+
+        def __init__(self, last_step: int, attn_flop_scale: float, decompositions=None) -> None:
+            super().__init__(decompositions=decompositions)
+            self.marks: list[tuple[int, str, int]] = []
+            self.ops = OpCosts()
+            self.last_step = last_step
+            self.attn_flop_scale = attn_flop_scale
+
+        @contextlib.contextmanager
+        def in_phase(self, phase, step=None):
+            outer = (self.phase, self.step)
+            with super().in_phase(phase, step):
+                self.marks.append((len(self.log), phase, self.step))
+                try:
+                    yield
+                finally:
+                    self.marks.append((len(self.log), outer[0], outer[1]))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is scalar_read and isinstance(args[0], FakeTensor):
+                # a value read back (Adafactor's parameter RMS) decides no tensor's size;
+                # a fake tensor has none, so the trace reads 1
+                return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if (self.step == self.last_step and self.phase != "setup" and func not in free and not func.is_view
+                    and func.namespace != "prim"):  # prim.device & co. query metadata
+                self._cost(func, args, kwargs or {}, out)
+            return out
+
+        def _cost(self, func, args, kwargs, out) -> None:
+            nbytes = 0
+            dtype = None
+            # what an op reads and writes; arguments it mutates in place are written too
+            for t in tree_leaves((args, kwargs, out, [args[i] for i in written_args(func) if i < len(args)])):
+                if isinstance(t, torch.Tensor):
+                    nbytes += t.numel() * t.element_size()
+                    if dtype is None and t.is_floating_point():
+                        dtype = t.dtype
+            flops = 0.0
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                flops = flop_registry[packet](*args, **kwargs, out_val=out)
+                if func in attention_ops:
+                    flops *= self.attn_flop_scale * (0.5 if _causal(func, args, kwargs) else 1.0)
+            elif cpu_flash is not None and packet in (cpu_flash, cpu_flash_bwd):
+                q, k, v = (args[1:4] if packet is cpu_flash_bwd else args[:3])
+                flops = (sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape) if packet is cpu_flash_bwd
+                         else sdpa_flop_count(q.shape, k.shape, v.shape))
+                flops *= self.attn_flop_scale * (0.5 if _causal(func, args, kwargs) else 1.0)
+            elif packet.__name__ == "gemm_4bit":  # bitsandbytes' fused 4-bit matmul, left whole
+                a = args[0]
+                flops = 2.0 * a.numel() * args[2][0]
+            phase = "backward" if self.phase == "recompute" else self.phase
+            self.ops.add(phase, packet.__name__, float(flops), float(nbytes), _dtype_class(dtype))
+
+    return Tracer
+
+
+@functools.lru_cache(maxsize=1)
+def tracer_class():
+    return _make_tracer()
+
+
+@contextlib.contextmanager
+def _value_decisions():
+    """Decisions transformers takes from tensor *values*, which fake tensors do not have.
+
+    ``find_packed_sequence_indices`` looks at position_ids to detect packed rows; it would
+    always answer "packed" under fake tensors and materialize a 4D mask the real run never
+    builds. Packing is only valid with flash2, whose stand-in handles packed rows itself,
+    so the trace answers "not packed" as the real run does for every other kernel.
+    """
+    import transformers.masking_utils as mu
+
+    orig = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = orig
+
+
+def _lengths(batch: dict) -> list[int]:
+    """Real tokens per sequence of a synthetic micro-batch (before it is made fake)."""
+    import torch
+
+    if "attention_mask" in batch:
+        return [int(n) for n in batch["attention_mask"].sum(-1).tolist()]
+    if "position_ids" in batch and "attention_mask" not in batch:
+        pos = batch["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+        return [b - a for a, b in zip(starts, starts[1:])]
+    return [batch["input_ids"].shape[1]] * batch["input_ids"].shape[0]
+
+
+def _fake_batch(batch: dict, mode, flash2: bool) -> tuple[dict, list[int] | None]:
+    """A synthetic micro-batch as fake tensors.
+
+    An all-ones attention mask is dropped: transformers skips it on real tensors (it reads
+    the values) and would build a 4D mask from a fake one. flash2's mask is kept in bool
+    with the row lengths attached, which its stand-in needs to unpad.
+    """
+    import torch
+
+    lengths = _lengths(batch)
+    batch = dict(batch)
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask == 1).all()):
+        del batch["attention_mask"]
+    elif mask is not None and flash2:
+        batch["attention_mask"] = mask.bool()
+    fake = {k: mode.from_tensor(v) for k, v in batch.items()}
+    concatenated = None
+    if "attention_mask" in fake and flash2:
+        fake["attention_mask"]._autofit_lengths = lengths
+        concatenated = lengths
+    elif "position_ids" in fake:  # packed
+        concatenated = lengths
+    return fake, concatenated
+
+
+def _attn_flop_scale(rows: list[list[int] | None]) -> float:
+    """Share of a concatenated row's attention FLOPs the varlen kernel computes (flash2).
+
+    ``rows``: per micro-batch, the lengths the flash2 stand-in concatenated into one row
+    (packed, or unpadded), or None where it ran dense.
+    """
+    scales = [sum(x * x for x in ls) / sum(ls) ** 2 if ls else 1.0 for ls in rows]
+    return sum(scales) / len(scales) if scales else 1.0
+
+
+def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) -> Trace:
+    """Build the model on meta, swap in fake tensors and run two steps under the tracker."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autofit.evaluators import runtime as rt
+    from autofit.evaluators.memtrack import round_block
+
+    t0 = time.perf_counter()
+    flash2 = plan.attention is Attention.FLASH2
+    attn_impl = register_flash2() if flash2 else None
+    net = rt.build_model(model, plan, device="meta", attn_impl=attn_impl)
+    t_build = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    rt.to_fake(net, mode)
+    opt = rt.make_optimizer(plan, net)
+    micro = min(plan.grad_accum, 2)
+    traced = plan.replace(grad_accum=micro)
+    steps = [rt.batches_for(model, traced, workload, step=s) for s in range(2)]
+    fakes, rows = [], []
+    for batches in steps:
+        fs = []
+        for b in batches:
+            f, ls = _fake_batch(b, mode, flash2)
+            fs.append(f)
+            rows.append(ls)
+        fakes.append(fs)
+    scale = _attn_flop_scale(rows[micro:]) if flash2 else 1.0
+    tokens = int(fakes[1][0]["input_ids"].numel())
+    tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
+    kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
+    with _value_decisions(), mode, tr:
+        tr.track(rt.state_tensors(net), "weights")
+        runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
+        step_s = []
+        for step in range(len(fakes)):
+            t = time.perf_counter()
+            batches = fakes.pop(0)  # dropped after its step, as a training loop drops it
+            for b in batches:
+                tr.track(b.values())
+            runner.step(batches, step=step)
+            del batches
+            step_s.append(time.perf_counter() - t)
+    runner.close()
+    snap = tr.snapshot()
+    kinds = {k: tr.classify(k) for k in tr.recs}
+    n_params = sum(p.numel() for p in net.parameters())
+    n_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    grad_bytes = sum(round_block(p.numel() * p.element_size()) for p in net.parameters() if p.requires_grad)
+    return Trace(
+        key=TraceKey.of(plan, model, workload, target),
+        log=tr.log,
+        kinds=kinds,
+        marks=tr.marks,
+        peak=snap.peak,
+        peak_components=dict(snap.components),
+        peak_phase=snap.peak_phase,
+        ops=tr.ops,
+        n_params=n_params,
+        n_trainable=n_trainable,
+        grad_bytes=grad_bytes,
+        tokens=tokens,
+        micro_batches=micro,
+        seconds=time.perf_counter() - t0,
+        timings={"build_s": t_build - t0, "step_s": step_s},
+    )
+
+
+class TraceCache:
+    """Traces by :class:`TraceKey`, least recently used out first."""
+
+    def __init__(self, size: int = CACHE_SIZE) -> None:
+        self.size = size
+        self._d: OrderedDict[TraceKey, Trace] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, model: ModelSpec, plan: Plan, workload: Workload, target: Target) -> Trace:
+        key = TraceKey.of(plan, model, workload, target)
+        if key in self._d:
+            self.hits += 1
+            self._d.move_to_end(key)
+            return self._d[key]
+        self.misses += 1
+        tr = run_trace(model, plan, workload, target)
+        self._d[key] = tr
+        if len(self._d) > self.size:
+            self._d.popitem(last=False)
+        return tr
+
+
+# -- from a trace to a rank's anatomy ----------------------------------------------------
+@dataclass(frozen=True)
+class RankMemory:
+    components: dict[str, int]
+    phase: str
+    event: int
+
+
+def steady_window(trace: Trace) -> tuple[int, int]:
+    """Event range of the last traced step (states exist from its first event on)."""
+    start = next((i for i, ph, st in trace.marks if st == 1 and ph == "forward"), 0)
+    return start, len(trace.log) - 1
+
+
+def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
+    """Per-rank components at the moment that peaks once states are sharded as the engine shards them.
+
+    Weights, gradients and optimizer states are replaced by ``costs.shard_states`` of the
+    engine's state layout (``analytic.state_bytes``; the trace's own module states where
+    the module *is* the layout: plain torch), gradients alive at an event scale with the
+    share the engine keeps, and the engine's buckets join ``temporary``.
+    """
+    from autofit.evaluators import analytic
+
+    model, cluster = ctx.model, ctx.cluster
+    world = cluster.world_size
+    sharded = plan.engine != "torch"
+    if not sharded and world == 1:
+        return RankMemory(dict(trace.peak_components), trace.peak_phase, -1)
+
+    sb = analytic.state_bytes(model, plan)
+    L = model.num_layers
+    c = 4 if costs.compute_dtype(plan) == "fp32" else 2
+    layer_weights = model.layer_params() * c
+    if plan.method.value == "qlora":
+        layer_weights += model.linear_params() / L * (analytic.NF4_BYTES_PER_PARAM - c)
+    layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
+    st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
+    # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes
+    grad_share = st.gradients / trace.grad_bytes if trace.grad_bytes else 0.0
+    # the traced step's optimizer temporaries are the module optimizer's; an engine's own
+    # step adds what shard_states says
+    start, end = steady_window(trace)
+    marks = sorted((i, ph) for i, ph, st_ in trace.marks)
+    live: dict[int, int] = {}
+    comp = dict.fromkeys(_COMPONENTS, 0)
+    best, best_event, best_phase = None, -1, ""
+    mi, phase = 0, "setup"
+    for ev, (key, delta) in enumerate(trace.log):
+        while mi < len(marks) and marks[mi][0] <= ev:
+            if marks[mi][1] != "setup":  # between two phases: still the last one's moment
+                phase = marks[mi][1]
+            mi += 1
+        kind = trace.kinds[key]
+        if delta > 0:
+            live[key] = delta
+            comp[kind] += delta
+        elif key in live:
+            comp[kind] -= live.pop(key)
+        if ev < start:
+            continue
+        weights = st.weights if sharded else comp["weights"]
+        if phase == "optimizer" and sharded:
+            cand = {"weights": weights, "gradients": st.gradients, "optimizer": st.optimizer, "activations": 0,
+                    "temporary": st.comm_buffers + st.step_temporary, "logits": 0}
+        else:
+            cand = {
+                "weights": weights,
+                "gradients": comp["gradients"] * grad_share if sharded else comp["gradients"],
+                "optimizer": st.optimizer if sharded else comp["optimizer"],
+                "activations": comp["activations"],
+                "temporary": comp["temporary"] + st.comm_buffers + st.gather_peak,
+                "logits": comp["logits"],
+            }
+        total = sum(cand.values())
+        if best is None or total > sum(best.values()):
+            best, best_event, best_phase = cand, ev, phase
+    return RankMemory({k: int(v) for k, v in (best or {}).items()}, best_phase, best_event)
+
+
+def anatomy(trace: Trace, plan: Plan, ctx: EvalContext) -> tuple[MemoryAnatomy, str]:
+    from autofit.evaluators import analytic
+
+    rm = rank_memory(trace, plan, ctx)
+    comp = {k: rm.components.get(k, 0) for k in _COMPONENTS}
+    peak_allocated = sum(comp.values())
+    peak_reserved = costs.reserved_bytes(peak_allocated)
+    total = costs.device_total(peak_reserved, ctx.cluster.world_size)
+    host = 0.0
+    if plan.offload is not Offload.NONE:
+        sb = analytic.state_bytes(ctx.model, plan)
+        st = costs.shard_states(plan, ctx.model, ctx.cluster, sb, 0.0, 0.0, 0.0)
+        host = st.host
+    host_bytes = (host + costs.HOST_PROCESS_BYTES) * ctx.cluster.gpus_per_node
+    mem = MemoryAnatomy(
+        weights=comp["weights"], gradients=comp["gradients"], optimizer=comp["optimizer"],
+        activations=comp["activations"], temporary=comp["temporary"], logits=comp["logits"],
+        overhead=total - peak_allocated, peak_allocated=peak_allocated, peak_reserved=peak_reserved,
+        device_total=total, host_bytes=int(host_bytes),
+    )
+    return mem, rm.phase
+
+
+def throughput(trace: Trace, plan: Plan, ctx: EvalContext) -> Throughput:
+    """Roofline over the steady-state step's ops, plus communication and offload."""
+    from autofit.evaluators import analytic
+
+    gpu, cluster, model = ctx.cluster.gpu, ctx.cluster, ctx.model
+    n = trace.micro_batches
+    tokens = trace.tokens
+    fwd = trace.ops.seconds("forward", gpu, tokens) / n
+    bwd = trace.ops.seconds("backward", gpu, tokens) / n
+    opt = trace.ops.seconds("optimizer", gpu, tokens)
+    dp = cluster.world_size
+    if plan.offload is not Offload.NONE:
+        opt = 0.0  # the CPU steps the states (costs.comm_time's offload term)
+    elif plan.engine != "torch":
+        opt /= dp  # every rank steps its shard
+    sb = analytic.state_bytes(model, plan)
+    comm = costs.comm_time(plan, model, cluster, sb, bwd)
+    ga = plan.grad_accum
+    step = ga * (fwd + bwd + comm.per_micro_batch) + opt + comm.per_step + comm.offload
+    flops_micro = (trace.ops.flops("forward") + trace.ops.flops("backward")) / n
+    flops_step = ga * flops_micro + trace.ops.flops("optimizer")
+    peak = gpu.peak_flops(costs.compute_dtype(plan))
+    tokens_step = ctx.workload.tokens_per_step()
+    return Throughput(
+        tokens_per_sec=tokens_step / step,
+        step_time_s=step,
+        compute_s=ga * (fwd + bwd) + opt,
+        comm_s=ga * comm.per_micro_batch + comm.per_step,
+        offload_s=comm.offload,
+        flops_per_step=flops_step,
+        mfu=ga * flops_micro / (step * peak) if peak else 0.0,
+    )
+
+
+# -- the evaluator -------------------------------------------------------------------------
+_SHARED_CACHE = TraceCache()
+
+
+class SimulatedEvaluator(Evaluator):
+    """Memory from a traced real step under fake tensors; time from a roofline over its ops."""
+
+    name = "simulated"
+
+    def __init__(self, cache: TraceCache | None = None) -> None:
+        self.cache = cache if cache is not None else _SHARED_CACHE
+
+    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+        t0 = time.perf_counter()
+        target = Target.of(ctx.cluster.gpu)
+        hits = self.cache.hits
+        try:
+            trace = self.cache.get(ctx.model, plan, ctx.workload, target)
+            mem, phase = anatomy(trace, plan, ctx)
+            tput = throughput(trace, plan, ctx)
+        except Exception as exc:  # noqa: BLE001 - a plan that cannot be traced is a failed trial
+            return TrialResult(plan=plan, status=Status.FAILED, evaluator=self.name, capacity_bytes=ctx.capacity_bytes,
+                               reason=_last_line(exc), duration_s=time.perf_counter() - t0)
+        status, reason = judge(mem, ctx)
+        return TrialResult(
+            plan=plan, status=status, evaluator=self.name, memory=mem, throughput=tput,
+            capacity_bytes=ctx.capacity_bytes, reason=reason, duration_s=time.perf_counter() - t0,
+            extra={"peak_phase": phase, "trace_s": round(trace.seconds, 3), "trace_reused": self.cache.hits > hits,
+                   "timings": {k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v])
+                               for k, v in trace.timings.items()},
+                   "target_kernels": f"{target.kind}" + (f" sm{target.capability[0]}{target.capability[1]}"
+                                                           if target.kind == "cuda" else "")},
+        )
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[-1].strip() if text else ""
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__

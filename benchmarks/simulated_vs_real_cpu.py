@@ -1,0 +1,102 @@
+"""Simulated vs real CPU steps: the accuracy grid of tests/evaluators/test_simulated.py, as numbers.
+
+    python benchmarks/simulated_vs_real_cpu.py [--out benchmarks/results/FILE.md]
+
+For each family and plan of the test grid (3-layer variants, seq 256) plus the padded
+workloads: the real peak (two real CPU steps under the storage tracker), the simulated
+peak (the same steps traced under fake tensors for the ``1xcpu`` target), the peak error
+and the worst component error. A component is compared relative to itself, or, below 1%
+of the peak, in points of the peak (the tests' rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+from autofit.evaluators.simulated import Target, run_trace
+from autofit.specs import Workload
+from tests.conftest import tiny
+from tests.evaluators.test_simulated import FAST, GRID_PLANS, LENGTHS, SMALL, measure
+
+MiB = 2**20
+
+
+def component_error(real, sim) -> tuple[float, str]:
+    worst, name = 0.0, ""
+    for comp, r in real.components.items():
+        s = sim[comp]
+        if max(r, s) < SMALL * real.peak:
+            err = abs(s - r) / real.peak  # points of the peak
+        else:
+            err = abs(s - r) / r
+        if err > worst:
+            worst, name = err, comp
+    return worst, name
+
+
+def cases():
+    for family in ("mistral-7b", "llama-3-8b", "qwen2.5-7b", "gpt2"):
+        for plan in GRID_PLANS:
+            yield family, plan, 256, None, 3
+    for family in ("llama-3-8b", "gpt2"):
+        for mb, ga in ((1, 2), (3, 1)):
+            from autofit.plan import Plan
+
+            yield family, Plan(precision="bf16-mixed", micro_batch=mb, grad_accum=ga), 128, LENGTHS, 2
+    for family, plan in FAST:
+        yield family, plan, 128, None, 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import bitsandbytes
+    import peft
+    import torch
+    import transformers
+
+    lines = [
+        f"Machine: 2-core CPU VM, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}.",
+        "",
+        "| model | plan | workload | real peak MiB | sim peak MiB | peak error | worst component (error) | real s / sim s |",
+        "|---|---|---|---:|---:|---:|---|---:|",
+    ]
+    peaks, comps = [], []
+    for family, plan, seq, lengths, layers in cases():
+        spec = tiny(family, layers=layers)
+        wl = Workload(seq_len=seq, global_batch=plan.micro_batch * plan.grad_accum, lengths=lengths)
+        t0 = time.perf_counter()
+        real = measure(spec, plan, wl)
+        t1 = time.perf_counter()
+        tr = run_trace(spec, plan, wl, Target("cpu"))
+        t2 = time.perf_counter()
+        pe = (tr.peak - real.peak) / real.peak
+        ce, cn = component_error(real, tr.peak_components)
+        peaks.append(abs(pe))
+        comps.append(ce)
+        wdesc = f"L{layers} seq {seq}" + (" padded" if lengths else "")
+        worst = f"{cn} ({ce * 100:.3f}%)" if cn else "exact"
+        lines.append(f"| {family} | {plan.summary()} | {wdesc} | {real.peak / MiB:.2f} | {tr.peak / MiB:.2f} | "
+                     f"{pe * 100:+.3f}% | {worst} | {t1 - t0:.1f} / {t2 - t1:.1f} |")
+        print(lines[-1], flush=True)
+    peaks.sort()
+    comps.sort()
+    lines += [
+        "",
+        f"{len(peaks)} cases. |peak error|: median {peaks[len(peaks) // 2] * 100:.3f}%, worst {peaks[-1] * 100:.3f}% "
+        f"(bound 2%). Worst component error per case: median {comps[len(comps) // 2] * 100:.3f}%, "
+        f"worst {comps[-1] * 100:.3f}% (bound 5%).",
+    ]
+    text = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
