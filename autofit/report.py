@@ -16,6 +16,16 @@ from autofit.evaluators.base import COMPONENTS, EvalContext, TrialResult
 from autofit.specs import GPUSpec, ModelSpec
 
 GiB = 2**30
+PIPE_WIDTH = 160  # columns for tables written to a pipe or file (rich's default is 80)
+
+
+def console(stderr: bool = False, quiet: bool = False) -> Console:
+    """A console for our output: the terminal's width on a terminal, else wide enough for the tables."""
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(stderr=stderr, quiet=quiet, width=None if tty else PIPE_WIDTH)
 
 
 def gib(nbytes: float) -> str:

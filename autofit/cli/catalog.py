@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import handle_errors, json_option
@@ -18,7 +17,7 @@ def gpus(as_json: bool) -> None:
     if as_json:
         click.echo(report.dumps([report.gpu_dict(g) for g in GPUS.values()]))
         return
-    Console().print(report.gpus_table(GPUS.values()))
+    report.console().print(report.gpus_table(GPUS.values()))
 
 
 @click.command()
@@ -29,4 +28,4 @@ def models(as_json: bool) -> None:
     if as_json:
         click.echo(report.dumps([m.as_dict() for m in MODELS.values()]))
         return
-    Console().print(report.models_table(MODELS.values()))
+    report.console().print(report.models_table(MODELS.values()))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import (
@@ -47,7 +46,7 @@ def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, 
         cal = for_context(ctx, result.evaluator, db_url)
         if cal is not None:
             result = cal.apply(result, ctx)
-    console = Console(stderr=as_json)
+    console = report.console(stderr=as_json)
     for warning in ctx_warnings(ctx):
         console.print(f"[yellow]warning[/yellow]: {warning}")
     if as_json:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import db_option, handle_errors, json_option
@@ -27,7 +26,7 @@ def history(model, gpus, db_url, as_json):
     if as_json:
         click.echo(report.dumps([s.as_dict() for s in rows]))
         return
-    Console().print(report.history_table(rows))
+    report.console().print(report.history_table(rows))
 
 
 @click.command()
@@ -48,7 +47,7 @@ def show(study, db_url, as_json):
         click.echo(report.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials],
                                  "standing": standing.as_dict()}))
         return
-    console = Console()
+    console = report.console()
     console.print(report.study_header(rec))
     console.print(report.trials_table(trials, standing.best))
     report.print_answer(console, standing, rec.allowed.get("methods") or [])
@@ -82,7 +81,7 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
     if as_json:
         click.echo(report.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
         return
-    console = Console()
+    console = report.console()
     console.print(f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
                   f"({result.evaluator}, study {rec.study_id}, trial {rec.number})")
     console.print(report.anatomy_table(result))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import db_option, handle_errors, json_option
@@ -27,7 +26,7 @@ def report_cmd(study, out, db_url, as_json):
     if as_json:
         click.echo(report.dumps(files.as_dict()))
         return
-    console = Console(stderr=True)
+    console = report.console(stderr=True)
     for note in files.notes:
         console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
     click.echo(f"report: {files.html}")

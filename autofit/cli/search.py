@@ -9,7 +9,6 @@ import sys
 
 import click
 from click.core import ParameterSource
-from rich.console import Console
 
 from autofit import analysis, report
 from autofit.cli.options import (
@@ -80,7 +79,7 @@ def search(cctx: click.Context, **opts):
                             calibrate=opts["calibrate"])
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
-    console = Console(stderr=True, quiet=quiet)
+    console = report.console(stderr=True, quiet=quiet)
     progress = report.SearchProgress(console, request) if not quiet else None
     with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
         if opts["parallel"] > 1 or opts["workers"] == 0:
@@ -100,7 +99,7 @@ def search(cctx: click.Context, **opts):
     if as_json:
         click.echo(report.dumps(report.outcome_dict(outcome, exported, standing)))
     else:
-        out = Console()
+        out = report.console()
         report.print_outcome(out, outcome, standing, request, exported, store.masked_url)
         _report(out, store, outcome.study.name, opts)
     if outcome.interrupted:

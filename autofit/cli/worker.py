@@ -6,7 +6,6 @@ import contextlib
 import sys
 
 import click
-from rich.console import Console
 
 from autofit import report
 from autofit.cli.options import db_option, handle_errors, json_option
@@ -37,7 +36,7 @@ def worker(study, heartbeat, grace, quiet, db_url, as_json):
         raise click.ClickException(f"--grace ({grace}) must be longer than --heartbeat ({heartbeat})")
     store = Store(db_url)
     rec = store.get_study(study)
-    console = Console(stderr=True, quiet=quiet or as_json)
+    console = report.console(stderr=True, quiet=quiet or as_json)
     progress = None if (quiet or as_json) else report.SearchProgress(console, request_from_study(rec))
     with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
         outcome = run_worker(store, rec.name, progress=progress, heartbeat=(heartbeat, grace))

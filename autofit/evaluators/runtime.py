@@ -19,7 +19,9 @@ How a plan is laid out in one process (``layout``):
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -41,6 +43,11 @@ from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names
 )
 
 IGNORE_INDEX = -100
+
+# bitsandbytes announces an optional faster CPU kernel it could not load, and peft calls a
+# transformers method that transformers 5 renamed: neither concerns a user of autofit
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 @dataclass(frozen=True)
