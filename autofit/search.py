@@ -33,10 +33,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from autofit import calibration
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit import calibration
 from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, StepReport, Throughput, TrialResult
 from autofit.plan import Method, Plan
 from autofit.space import Allowed, SearchSpace
@@ -115,12 +115,12 @@ def _set_constraints(trial, result: TrialResult, ctx: EvalContext) -> None:
     trial.set_constraint("host_memory", host)
 
 
-def screen(space: SearchSpace, calibration=None) -> list[tuple[dict[str, Any], TrialResult]]:
+def screen(space: SearchSpace, cal: calibration.Calibration | None = None) -> list[tuple[dict[str, Any], TrialResult]]:
     """Every plan of the space with its analytic result (calibrated if given), fastest fitting first."""
     ev = AnalyticEvaluator()
     scored = [(params, ev.evaluate(plan, space.ctx)) for params, plan in space.enumerate_params()]
-    if calibration is not None:
-        scored = [(params, calibration.apply(r, space.ctx)) for params, r in scored]
+    if cal is not None:
+        scored = [(params, cal.apply(r, space.ctx)) for params, r in scored]
     scored.sort(key=lambda pr: (not pr[1].fits, -pr[1].tokens_per_sec))
     return scored
 
@@ -278,6 +278,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
     import optuna
 
     progress = progress or (lambda event, data: None)
+    space = SearchSpace(request.ctx, request.allowed)  # refuses an impossible request before anything is stored
     key = request.request_key
     if not fresh and not resume:
         done = store.find_finished_study(key)
@@ -302,15 +303,14 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
 
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
-    space = SearchSpace(request.ctx, request.allowed)  # refuses an impossible request before any output
     stored = [t for t in store.trials(study_rec.id) if t.fits and t.tokens_per_sec]
     progress("start", {"study": study_rec.name, "budget": request.trials,
                        "done": sum(t.state.is_finished() for t in study.trials),
                        "best": max(stored, key=lambda t: t.tokens_per_sec).result() if stored else None})
     if not study.trials:
-        warm = warm_start(request, store, space, exclude=study_rec.id) if warm else []
-        if warm:
-            progress("warm-start", {"n": len(warm)})
+        warm_params = warm_start(request, store, space, exclude=study_rec.id) if warm else []
+        if warm_params:
+            progress("warm-start", {"n": len(warm_params)})
         progress("screening", {"space": space})
         cal = calibration.from_store(store, request.ctx.cluster.gpu.name, "analytic") if request.calibrate else None
         if cal is not None:
@@ -318,7 +318,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         scored = screen(space, cal)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
         k = min(ENQUEUE_MAX, max(1, request.trials // 2))
-        for params in (warm + candidates(scored, k))[:max(k, len(warm))]:
+        for params in (warm_params + candidates(scored, k))[:max(k, len(warm_params))]:
             study.enqueue_trial(params, skip_if_exists=True)
     return study_rec, False
 
