@@ -32,7 +32,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "out": (str,),
     "name": (str,),
-    "db_url": (str,),
+    "db": (str,),
 }
 LIST_KEYS = ("methods", "optimizers", "precisions", "lora_ranks")
 

@@ -90,12 +90,9 @@ def search(cctx: click.Context, **opts):
     standing = analysis.standing(outcome.results, ctx)
     exported = []
     if standing.best is not None and opts["out"]:
-        try:
-            from autofit.export import export_plan
-        except ImportError as exc:
-            console.print(f"[yellow]note[/yellow]: configs not written, the exporter is not available ({exc})")
-        else:
-            exported = export_plan(standing.best.plan, ctx, opts["out"])
+        from autofit.export import export_plan
+
+        exported = export_plan(standing.best.plan, ctx, opts["out"])
     if as_json:
         click.echo(report.dumps(report.outcome_dict(outcome, exported, standing)))
     else:
@@ -132,7 +129,7 @@ def _distributed(request, store, opts, progress):
 
 def _report(console: Console, store, study: str, opts: dict) -> None:
     """Write the study's report into --out, or say which command writes it."""
-    db = f" --db {shlex.quote(opts['db_url'])}" if opts.get("db_url") else ""
+    db = f" --db {shlex.quote(store.masked_url)}" if opts.get("db_url") else ""  # never the password
     command = f"autofit report {shlex.quote(study)} --out {shlex.quote(opts['out'] or 'DIR')}{db}"
     if opts["write_report"] and opts["out"]:
         from autofit.htmlreport import write_report
@@ -159,7 +156,7 @@ def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
     from autofit.studies import load_study_file
 
     data = load_study_file(path)
-    rename = {"lengths": "lengths_path"}
+    rename = {"lengths": "lengths_path", "db": "db_url"}
     for key, value in data.items():
         name = rename.get(key, key)
         if name not in opts:
