@@ -122,7 +122,7 @@ def test_technique_effects_are_one_bar_pair_per_toggle(tight_study):
 
 
 def test_files_are_png_and_parseable_svg_and_stable(tight_report, tmp_path):
-    st, effects, files = tight_report.standing, tight_report.effects, list(tight_report.plots)
+    st, files = tight_report.standing, list(tight_report.plots)
     assert [f.name for f in files] == ["memory-anatomy", "memory-vs-speed", "technique-effects"]
     for f in files:
         width, height = png_size(f.png)

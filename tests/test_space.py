@@ -5,7 +5,6 @@ from autofit.errors import SpecError
 from autofit.plan import Method, Offload, Optimizer, Precision, Sharding
 from autofit.request import build_context
 from autofit.space import Allowed, SearchSpace, check_space
-from autofit.specs import LengthDistribution, Workload
 
 
 def space(model="mistral-7b", gpus="2xA10", global_batch=16, allowed=None, **kw):

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 import click
+from rich.console import Console
 from click.core import ParameterSource
 
 from autofit import analysis, report

@@ -35,12 +35,11 @@ from autofit.plan import (
     Checkpointing,
     LoraTargets,
     Method,
-    Offload,
     Optimizer,
     Plan,
     Precision,
 )
-from autofit.specs import ClusterSpec, ModelSpec, Workload
+from autofit.specs import ModelSpec, Workload
 
 # bitsandbytes NF4 with double quantization (the QLoRA default we export): 4-bit codes,
 # an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.

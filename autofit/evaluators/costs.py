@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision, Sharding
+from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
 from autofit.specs import ClusterSpec, ModelSpec
 
 MiB = 2**20

@@ -607,24 +607,3 @@ def _real_scalars(model: torch.nn.Module):
 
         return unset_fake_temporarily()
     return contextlib.nullcontext()
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                yield v
-
-
-def batches_for(spec: ModelSpec, plan: Plan, workload: Workload, device: Any = "cpu", step: int = 0,
-                worst_case: bool = True) -> list[dict[str, torch.Tensor]]:
-    return [
-        synthetic_batch(spec, plan, workload, device, seed=1000 * step + i, worst_case=worst_case)
-        for i in range(plan.grad_accum)
-    ]

@@ -490,7 +490,6 @@ def _value_decisions():
 
 def _lengths(batch: dict) -> list[int]:
     """Real tokens per sequence of a synthetic micro-batch (before it is made fake)."""
-    import torch
 
     if "attention_mask" in batch:
         return [int(n) for n in batch["attention_mask"].sum(-1).tolist()]
@@ -508,7 +507,6 @@ def _fake_batch(batch: dict, mode, flash2: bool) -> tuple[dict, list[int] | None
     the values) and would build a 4D mask from a fake one. flash2's mask is kept in bool
     with the row lengths attached, which its stand-in needs to unpad.
     """
-    import torch
 
     lengths = _lengths(batch)
     batch = dict(batch)
@@ -539,7 +537,6 @@ def _attn_flop_scale(rows: list[list[int] | None]) -> float:
 
 def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) -> Trace:
     """Build the model on meta, swap in fake tensors and run two steps under the tracker."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.evaluators import runtime as rt
