@@ -206,6 +206,19 @@ class _Objective:
         return on_step
 
 
+def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
+               request: SearchRequest) -> list[tuple[dict[str, Any], TrialResult]]:
+    """What is worth enqueuing: for a measured study, only plans the measured evaluator can
+    run on the target (a fused loss is not measured in multi-rank CPU runs, offload not on the
+    CPU target); such a plan would spend a trial of the budget on a ``failed`` result."""
+    if request.backend != "measured":
+        return scored
+    from autofit.evaluators.measured import not_measurable
+
+    device = "cpu" if request.ctx.cluster.gpu.kind == "cpu" else "cuda"
+    return [(p, r) for p, r in scored if not not_measurable(r.plan, request.ctx, device)]
+
+
 def _may_fit(predicted: TrialResult, ctx: EvalContext, margin: float) -> bool:
     """Fits, or is over the budget by no more than ``margin`` of it (device and host)."""
     if predicted.fits:
@@ -318,7 +331,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         scored = screen(space, cal)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
         k = min(ENQUEUE_MAX, max(1, request.trials // 2))
-        for params in (warm_params + candidates(scored, k))[:max(k, len(warm_params))]:
+        for params in (warm_params + candidates(measurable(scored, request), k))[:max(k, len(warm_params))]:
             study.enqueue_trial(params, skip_if_exists=True)
     return study_rec, False
 

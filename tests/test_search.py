@@ -75,6 +75,8 @@ def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
     assert done.study.id == out.study.id and not done.interrupted
     rows = store.trials(out.study.id)
     assert len({r.plan_id for r in rows}) == len(rows)  # nothing evaluated twice
+    import dataclasses
+
     import optuna
 
     study = optuna.load_study(study_name=done.study.optuna_study_name, storage=store.optuna_storage())
@@ -101,3 +103,39 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     # another GPU type starts cold
     cold = SearchRequest(ctx=build_context("gpt2", "1xL4", seq_len=1024, global_batch=8), backend="analytic")
     assert warm_start(cold, store, SearchSpace(cold.ctx, cold.allowed)) == []
+
+
+def test_a_measured_study_enqueues_only_plans_it_can_measure(store):
+    """On 2xcpu a fused loss is not measured (multi-rank, no Liger): the analytic screen ranks
+    such plans first, and enqueuing them would spend the trial budget on ``failed`` results."""
+    import dataclasses
+
+    import optuna
+
+    from autofit.evaluators.measured import not_measurable
+    from autofit.search import measurable, prepare_search
+    from tests.conftest import tiny
+
+    ctx = build_context("gpt2", "2xcpu", seq_len=256, global_batch=16, cpu_mem_budget="120MiB")
+    ctx = dataclasses.replace(ctx, model=tiny("mistral-7b", layers=4, vocab_size=4000))
+    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="full"), backend="measured", trials=12)
+    space = SearchSpace(ctx, req.allowed)
+    scored = screen(space)
+    favourites = [space.suggest(_Replay(p)) for p in candidates(scored, 6)]
+    assert any(p.fused_loss for p in favourites)  # what the screen alone would enqueue
+    rec, finished = prepare_search(req, store)
+    assert not finished
+    study = optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage())
+    enqueued = [space.suggest(_Replay(t.system_attrs["fixed_params"])) for t in study.trials]
+    assert len(enqueued) == 6
+    wanted = [space.suggest(_Replay(p)) for p in candidates(measurable(scored, req), 6)]
+    assert [p.plan_id for p in enqueued] == [p.plan_id for p in wanted]
+    assert all(not not_measurable(p, ctx, "cpu") and not p.fused_loss for p in enqueued)
+
+
+class _Replay:
+    def __init__(self, params):
+        self.params = params
+
+    def suggest_categorical(self, name, choices):
+        return self.params[name]
