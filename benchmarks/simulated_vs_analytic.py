@@ -1,14 +1,17 @@
 """Simulated vs analytic anatomy over a grid of plans for every registered model.
 
-    python benchmarks/simulated_vs_analytic.py [--models mistral-7b,gpt2] [--gpus 1xA100-80GB] [--seq 512]
-                                               [--out benchmarks/results/FILE.md]
+    python benchmarks/simulated_vs_analytic.py [--quick] [--models mistral-7b,gpt2] [--gpu A100-80GB]
+                                               [--seq 512] [--out benchmarks/results/FILE.md]
 
 For each model and plan: the peak and every component from both evaluators, and the
 relative difference. A row is flagged when the peak differs by more than 10%, or a
 component does by more than 10% of itself and 1% of the peak (smaller components are a
 few KiB of batch tensors and scalars). The flagged rows are what to investigate: the
 simulated side is a traced real step (checked against real CPU steps in
-tests/evaluators/test_simulated.py), so a flag is usually the closed form's to fix.
+tests/evaluators/test_simulated.py), so a flag is usually the closed form's to fix. A
+summary table gives the median and worst error of the peak and of each component (analytic
+relative to simulated; components under 1% of the peak in points of the peak).
+``--quick``: three small models.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import platform
 import sys
 import time
+
+from _errors import component_errors, summary_table
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.base import COMPONENTS, EvalContext
@@ -50,7 +55,10 @@ def main() -> None:
     ap.add_argument("--gpu", default="A100-80GB")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true", help="gpt2, qwen2.5-0.5b and llama-3.2-1b only")
     args = ap.parse_args()
+    if args.quick:
+        args.models = "gpt2,qwen2.5-0.5b,llama-3.2-1b"
     import torch
     import transformers
 
@@ -67,7 +75,7 @@ def main() -> None:
         + " | sim phase / ana phase | tokens/s sim / ana | trace s |",
         "|---|---|---:|---:|---:|" + "---|" * len(PARTS) + "---|---|---:|",
     ]
-    deltas = []
+    deltas, per_case, peak_errs = [], [], []
     speed = []  # simulated / analytic tokens/s
     flagged = 0
     for name in args.models.split(","):
@@ -91,6 +99,9 @@ def main() -> None:
             sp, ap_ = sim.memory.peak_allocated, ana.memory.peak_allocated
             d = (sp - ap_) / ap_
             deltas.append(abs(d))
+            peak_errs.append(abs(ap_ - sp) / sp)
+            sim_parts = {c: getattr(sim.memory, c) for c in PARTS}
+            per_case.append(component_errors(sim_parts, {c: getattr(ana.memory, c) for c in PARTS}, sp))
             speed.append(sim.tokens_per_sec / ana.throughput.tokens_per_sec)
             flag = abs(d) > 0.10
             cells = []
@@ -112,6 +123,7 @@ def main() -> None:
         speed.sort()
         lines += [f"tokens/s simulated / analytic: median {speed[len(speed) // 2]:.2f}, "
                   f"range {speed[0]:.2f}–{speed[-1]:.2f}."]
+        lines += ["", *summary_table(per_case, peak_errs, "analytic vs simulated")]
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as fh:

@@ -1,42 +1,40 @@
 """Simulated vs real CPU steps: the accuracy grid of tests/evaluators/test_simulated.py, as numbers.
 
-    python benchmarks/simulated_vs_real_cpu.py [--out benchmarks/results/FILE.md]
+    python benchmarks/simulated_vs_real_cpu.py [--quick] [--out benchmarks/results/FILE.md]
 
 For each family and plan of the test grid (3-layer variants, seq 256) plus the padded
 workloads: the real peak (two real CPU steps under the storage tracker), the simulated
 peak (the same steps traced under fake tensors for the ``1xcpu`` target), the peak error
 and the worst component error. A component is compared relative to itself, or, below 1%
-of the peak, in points of the peak (the tests' rule).
+of the peak, in points of the peak (the tests' rule). A summary table gives the median and
+worst error of the peak and of each component over all cases. ``--quick``: one family.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test grid lives in tests/
+
+from _errors import component_errors, summary_table
 
 from autofit.evaluators.simulated import Target, run_trace
 from autofit.specs import Workload
 from tests.conftest import tiny
-from tests.evaluators.test_simulated import FAST, GRID_PLANS, LENGTHS, SMALL, measure
+from tests.evaluators.test_simulated import FAST, GRID_PLANS, LENGTHS, measure
 
 MiB = 2**20
 
 
-def component_error(real, sim) -> tuple[float, str]:
-    worst, name = 0.0, ""
-    for comp, r in real.components.items():
-        s = sim[comp]
-        if max(r, s) < SMALL * real.peak:
-            err = abs(s - r) / real.peak  # points of the peak
-        else:
-            err = abs(s - r) / r
-        if err > worst:
-            worst, name = err, comp
-    return worst, name
-
-
-def cases():
+def cases(quick: bool = False):
+    if quick:
+        for plan in GRID_PLANS:
+            yield "mistral-7b", plan, 256, None, 3
+        return
     for family in ("mistral-7b", "llama-3-8b", "qwen2.5-7b", "gpt2"):
         for plan in GRID_PLANS:
             yield family, plan, 256, None, 3
@@ -52,6 +50,7 @@ def cases():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true", help="one family (12 cases) instead of 72")
     args = ap.parse_args()
     import bitsandbytes
     import peft
@@ -65,8 +64,8 @@ def main() -> None:
         "| model | plan | workload | real peak MiB | sim peak MiB | peak error | worst component (error) | real s / sim s |",
         "|---|---|---|---:|---:|---:|---|---:|",
     ]
-    peaks, comps = [], []
-    for family, plan, seq, lengths, layers in cases():
+    peaks, comps, per_case = [], [], []
+    for family, plan, seq, lengths, layers in cases(args.quick):
         spec = tiny(family, layers=layers)
         wl = Workload(seq_len=seq, global_batch=plan.micro_batch * plan.grad_accum, lengths=lengths)
         t0 = time.perf_counter()
@@ -75,7 +74,10 @@ def main() -> None:
         tr = run_trace(spec, plan, wl, Target("cpu"))
         t2 = time.perf_counter()
         pe = (tr.peak - real.peak) / real.peak
-        ce, cn = component_error(real, tr.peak_components)
+        errs = component_errors(real.components, tr.peak_components, real.peak)
+        cn = max(errs, key=errs.get) if any(errs.values()) else ""
+        ce = errs.get(cn, 0.0)
+        per_case.append(errs)
         peaks.append(abs(pe))
         comps.append(ce)
         wdesc = f"L{layers} seq {seq}" + (" padded" if lengths else "")
@@ -90,6 +92,8 @@ def main() -> None:
         f"{len(peaks)} cases. |peak error|: median {peaks[len(peaks) // 2] * 100:.3f}%, worst {peaks[-1] * 100:.3f}% "
         f"(bound 2%). Worst component error per case: median {comps[len(comps) // 2] * 100:.3f}%, "
         f"worst {comps[-1] * 100:.3f}% (bound 5%).",
+        "",
+        *summary_table(per_case, peaks, "simulated vs real CPU"),
     ]
     text = "\n".join(lines)
     if args.out:
