@@ -1,0 +1,159 @@
+"""Warm start: trials-to-best with and without the plans of a past study (issue 6).
+
+    python benchmarks/warm_start.py            # 5 seeds, budget 20, writes results/<date>-warm-start.md
+    python benchmarks/warm_start.py --quick    # 2 seeds, budget 10, prints only
+
+For each request (the five of ``search_efficiency.py``, analytic backend; plus gpt2-xl on
+1xT4 at global batch 2 with its evaluator replaced by the stored simulated results when
+``results/oracle/simulated-gpt2-xl-1xT4-seq2048-gb2.jsonl`` is complete):
+
+1. a *prior* study of the same model on the same GPUs, on a different workload (sequence
+   length 1024 instead of 2048; same global batch), runs with ``search.run_search`` (analytic
+   backend, 20 trials, its own seed) in a temporary SQLite store;
+2. the *target* study (the request's own workload) then runs in that store twice, in two
+   copies of it: with warm start (``run_search(..., warm=True)``, the default: past winners
+   of the same model fingerprint and GPU type are mapped into the new space by
+   ``search.warm_start`` and enqueued before the screened candidates) and without
+   (``warm=False``: only the screened candidates are enqueued). Everything else — the
+   screen, the sampler seed, the budget — is the same.
+
+Reported per request, median over seeds: *trials-to-best* (the first trial whose plan
+reaches the study's own final best) and *trials-to-98%* (the first trial reaching 98% of the
+oracle optimum, from ``search_efficiency``'s oracles), and the best reached. Note that
+``prepare_search`` enqueues ``(warm + screened)[:max(k, len(warm))]`` with ``k =
+min(6, trials // 2)``: warm plans are not added on top of the screen, they *displace* screened
+candidates and run first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import search_efficiency as se  # noqa: E402
+
+from autofit import search  # noqa: E402
+
+PRIOR_SEQ = 1024
+PRIOR_TRIALS = 20
+
+
+def run_pair(oracle: se.Oracle, budget: int, seed: int) -> dict[str, Any]:
+    """Prior study, then the target with and without warm start (separate stores holding the same prior)."""
+    req = oracle.request
+    prior_req = se.Request(req.model, req.gpus, seq_len=PRIOR_SEQ, global_batch=req.global_batch,
+                           allowed=req.allowed)
+    out: dict[str, Any] = {}
+    for warm in (True, False):
+        with se.temp_store() as store:
+            prior = search.run_search(
+                search.SearchRequest(ctx=prior_req.ctx(), allowed=prior_req.allowed, backend="analytic",
+                                     trials=PRIOR_TRIALS, seed=1000 + seed), store, fresh=True)
+            enq: list[int] = []
+            if warm:
+                sreq = search.SearchRequest(ctx=req.ctx(), allowed=req.allowed, trials=budget)
+                space = search.SearchSpace(sreq.ctx, sreq.allowed)
+                enq.append(len(search.warm_start(sreq, store, space)))
+            run = se.autofit_run(oracle, budget, seed, store=store, warm=warm)
+            best = max((r.tokens_per_sec for r in run.results if r is not None and r.fits), default=0.0)
+            first_best = next((i for i, r in enumerate(run.results, 1)
+                               if r is not None and r.fits and r.tokens_per_sec >= best - 1e-9), None)
+            out["warm" if warm else "cold"] = {
+                "trials_to_best": first_best,
+                "trials_to_98": run.first_reaching(oracle, se.GOAL_FRACTION),
+                "best_fraction": run.best_fraction(oracle),
+                "first_fraction": oracle.fraction(run.results[0]) if run.results else 0.0,
+                "oom": run.oom(), "pruned": run.pruned(),
+                "warm_plans": enq[0] if enq else 0,
+                "prior_best": prior.best.plan.summary() if prior.best else None,
+            }
+    return out
+
+
+def med(xs: list[int | None], cap: int) -> str:
+    """Median where 'not reached' counts as budget + 1 (shown as >budget)."""
+    vals = [x if x is not None else cap + 1 for x in xs]
+    m = statistics.median(vals)
+    return f">{cap}" if m > cap else f"{m:g}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 seeds, budget 10; prints only (unless --out)")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    seeds = list(range(args.seeds if args.seeds else (2 if args.quick else 5)))
+    budget = args.budget or (10 if args.quick else 20)
+    oracles = [se.analytic_oracle(r) for r in se.REQUESTS]
+    table_ = se.read_table(se.oracle_path(se.SIM_REQUEST))
+    sim_note = None
+    if len(table_) >= se.SIM_REQUEST.space().size():
+        oracles.append(se.simulated_oracle(se.SIM_REQUEST))
+    else:
+        sim_note = f"simulated oracle table incomplete ({len(table_)} plans): simulated-replay variant skipped"
+        print(sim_note)
+    results = []
+    for oracle in oracles:
+        t = time.perf_counter()
+        pairs = [run_pair(oracle, budget, s) for s in seeds]
+        res = {"request": oracle.request.label, "oracle": oracle.kind, "pairs": pairs, "seconds": time.perf_counter() - t}
+        results.append(res)
+        print(f"{oracle.request.label} [{oracle.kind}]: " + "; ".join(
+            f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
+            f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
+    wall = time.perf_counter() - t0
+
+    v = se.versions()
+    lines = [f"# Warm start — {se.DATE}", "",
+             f"Machine: {se.machine()} (shared with other sessions). "
+             + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "",
+             "```", "$ " + " ".join(["python", "benchmarks/warm_start.py"] + sys.argv[1:]), "```", "",
+             f"Wall time: {wall:.0f} s. {len(seeds)} seeds, budget {budget} trials per target study. Prior study: "
+             f"same model and GPUs at sequence length {PRIOR_SEQ} (analytic backend, {PRIOR_TRIALS} trials). "
+             "Trial numbers are 1-based; medians over seeds, per-seed values in brackets; "
+             f"'>{budget}' = not reached within the budget.", "",
+             "| request | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
+             "best reached warm | cold | first trial warm | cold |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        p = res["pairs"]
+
+        def col(k: str, f: str) -> str:
+            xs = [q[k][f] for q in p]
+            return f"{med(xs, budget)} [{', '.join(str(x) if x else '–' for x in xs)}]"
+
+        def frac(k: str, f: str) -> str:
+            return f"{statistics.median([q[k][f] for q in p]):.1%}"
+
+        lines.append(f"| {res['request']} | {res['oracle']} | {statistics.median([q['warm']['warm_plans'] for q in p]):g} | "
+                     f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
+                     f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
+                     f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
+                     f"{frac('warm', 'first_fraction')} | {frac('cold', 'first_fraction')} |")
+    lines.append("")
+    if sim_note:
+        lines += [f"Note: {sim_note}", ""]
+    text = "\n".join(lines)
+    print()
+    print(text)
+    out = args.out or (None if args.quick else str(se.RESULTS / f"{se.DATE}-warm-start.md"))
+    if out:
+        Path(out).write_text(text + "\n")
+        Path(out).with_suffix(".json").write_text(json.dumps(
+            {"versions": v, "machine": se.machine(), "argv": sys.argv[1:], "wall_s": wall, "seeds": seeds,
+             "budget": budget, "results": results}, indent=1, default=str) + "\n")
+        print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
