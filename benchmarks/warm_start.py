@@ -42,7 +42,7 @@ import search_efficiency as se  # noqa: E402
 from autofit import search  # noqa: E402
 
 PRIOR_SEQ = 1024
-PRIOR_TRIALS = 20
+PRIOR_TRIALS = 10
 
 
 def run_pair(oracle: se.Oracle, budget: int, seed: int) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int) -> dict[str, Any]:
                 "trials_to_98": run.first_reaching(oracle, se.GOAL_FRACTION),
                 "best_fraction": run.best_fraction(oracle),
                 "first_fraction": oracle.fraction(run.results[0]) if run.results else 0.0,
-                "oom": run.oom(), "pruned": run.pruned(),
+                "oom": run.oom(), "pruned": run.count(se.PRUNED), "duplicates": run.count(se.DUPLICATE),
                 "warm_plans": enq[0] if enq else 0,
                 "prior_best": prior.best.plan.summary() if prior.best else None,
             }
