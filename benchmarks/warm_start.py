@@ -9,7 +9,7 @@ For each request (the five of ``search_efficiency.py``, analytic backend; plus g
 
 1. a *prior* study of the same model on the same GPUs, on a different workload (sequence
    length 1024 instead of 2048; same global batch), runs with ``search.run_search`` (analytic
-   backend, 20 trials, its own seed) in a temporary SQLite store;
+   backend, 10 trials, its own seed) in a temporary SQLite store;
 2. the *target* study (the request's own workload) then runs in that store twice, in two
    copies of it: with warm start (``run_search(..., warm=True)``, the default: past winners
    of the same model fingerprint and GPU type are mapped into the new space by
@@ -70,6 +70,8 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int) -> dict[str, Any]:
                 "trials_to_98": run.first_reaching(oracle, se.GOAL_FRACTION),
                 "best_fraction": run.best_fraction(oracle),
                 "first_fraction": oracle.fraction(run.results[0]) if run.results else 0.0,
+                "first_status": run.results[0].status.value if run.results else None,
+                "first_plan": run.results[0].plan.summary() if run.results else None,
                 "oom": run.oom(), "pruned": run.count(se.PRUNED), "duplicates": run.count(se.DUPLICATE),
                 "warm_plans": enq[0] if enq else 0,
                 "prior_best": prior.best.plan.summary() if prior.best else None,
@@ -84,24 +86,105 @@ def med(xs: list[int | None], cap: int) -> str:
     return f">{cap}" if m > cap else f"{m:g}"
 
 
+def render(doc: dict) -> str:
+    budget = doc["budget"]
+    lines = [f"# Warm start — {se.DATE}", "",
+             f"Machine: {doc['machine']} (shared with other sessions; load average 3-5 during the runs). "
+             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items()) + ".", "", "```"]
+    lines += [f"$ python benchmarks/warm_start.py {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
+              for r in doc["runs"]]
+    lines += ["```", "",
+              f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
+              f"at sequence length {PRIOR_SEQ} (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
+              "same temporary SQLite store as the target study. *warm*: `run_search(warm=True)` (the default); "
+              "*cold*: `warm=False`; everything else equal (screen, sampler seed, budget). Trial numbers are 1-based; "
+              f"medians over seeds, per-seed values in brackets; '>{budget}' / '–' = not reached within the budget.",
+              "",
+              "| request | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
+              "best reached warm | cold | trial 1 warm | cold | OOM warm | cold |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in doc["results"]:
+        p = res["pairs"]
+
+        def col(k: str, f: str) -> str:
+            xs = [q[k][f] for q in p]
+            return f"{med(xs, budget)} [{', '.join(str(x) if x else '–' for x in xs)}]"
+
+        def frac(k: str, f: str) -> str:
+            return f"{statistics.median([q[k][f] for q in p]):.1%}"
+
+        def num(k: str, f: str) -> str:
+            return f"{statistics.median([q[k][f] for q in p]):g}"
+
+        lines.append(f"| {res['request']} | {res['oracle']} | {num('warm', 'warm_plans')} | "
+                     f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
+                     f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
+                     f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
+                     f"{frac('warm', 'first_fraction')} | {frac('cold', 'first_fraction')} | "
+                     f"{num('warm', 'oom')} | {num('cold', 'oom')} |")
+    lines += ["", "Past winners mapped into the target space (prior best → first warm trial's result), seed 0:", ""]
+    for res in doc["results"]:
+        w = res["pairs"][0]["warm"]
+        lines.append(f"- {res['request']} [{res['oracle']}]: prior best {w['prior_best']}; the warm plan at the target "
+                     f"workload reached {w['first_fraction']:.1%} of the optimum"
+                     + (f" ({w['first_status']})" if w.get("first_status") else "") + ".")
+    lines += ["", NOTES]
+    for note in doc.get("notes", []):
+        lines += [f"Note: {note}", ""]
+    return "\n".join(lines)
+
+
+NOTES = """Notes on reading this:
+
+- With the analytic backend the screen already enqueues the analytic optimum of the target
+  workload, and the evaluator *is* the analytic model, so the cold study finds its best at
+  trial 1 by construction and warm start cannot shorten it; it can only move the screened
+  pick later, because `prepare_search` enqueues `(warm + screened)[:max(k, len(warm))]` —
+  past winners first, displacing screened candidates. Any difference in the analytic rows is
+  that displacement.
+- The simulated-replay row (gpt2-xl, 1xT4, global batch 2; its evaluator replaced by the stored
+  simulated results of `search_efficiency.py`'s oracle table) is the one where the screen and
+  the evaluator disagree; its prior study is analytic (at sequence length 1024), as a user's
+  quick earlier search would be.
+"""
+
+
+def write(doc: dict, out: str) -> None:
+    Path(out).write_text(render(doc) + "\n")
+    Path(out).with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 seeds, budget 10; prints only (unless --out)")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--part", choices=("all", "analytic", "simulated"), default="all")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="write one report (--out) from the raw JSON of runs made with --part")
     args = ap.parse_args()
+    if args.merge:
+        docs = [json.loads(Path(p).read_text()) for p in args.merge]
+        doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
+               "results": [r for d in docs for r in d["results"]],
+               "notes": [n for d in docs for n in d.get("notes", [])]}
+        print(render(doc))
+        write(doc, args.out or str(se.RESULTS / f"{se.DATE}-warm-start.md"))
+        return
     t0 = time.perf_counter()
     seeds = list(range(args.seeds if args.seeds else (2 if args.quick else 5)))
     budget = args.budget or (10 if args.quick else 20)
-    oracles = [se.analytic_oracle(r) for r in se.REQUESTS]
-    table_ = se.read_table(se.oracle_path(se.SIM_REQUEST))
-    sim_note = None
-    if len(table_) >= se.SIM_REQUEST.space().size():
-        oracles.append(se.simulated_oracle(se.SIM_REQUEST))
-    else:
-        sim_note = f"simulated oracle table incomplete ({len(table_)} plans): simulated-replay variant skipped"
-        print(sim_note)
+    oracles = [se.analytic_oracle(r) for r in se.REQUESTS] if args.part in ("all", "analytic") else []
+    notes = []
+    if args.part in ("all", "simulated"):
+        table_ = se.read_table(se.oracle_path(se.SIM_REQUEST))
+        if len(table_) >= se.SIM_REQUEST.space().size():
+            oracles.append(se.simulated_oracle(se.SIM_REQUEST))
+        else:
+            notes.append(f"simulated oracle table incomplete ({len(table_)} plans): simulated-replay variant skipped")
+            print(notes[-1])
     results = []
     for oracle in oracles:
         t = time.perf_counter()
@@ -112,47 +195,14 @@ def main() -> None:
             f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
             f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
     wall = time.perf_counter() - t0
-
-    v = se.versions()
-    lines = [f"# Warm start — {se.DATE}", "",
-             f"Machine: {se.machine()} (shared with other sessions). "
-             + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "",
-             "```", "$ " + " ".join(["python", "benchmarks/warm_start.py"] + sys.argv[1:]), "```", "",
-             f"Wall time: {wall:.0f} s. {len(seeds)} seeds, budget {budget} trials per target study. Prior study: "
-             f"same model and GPUs at sequence length {PRIOR_SEQ} (analytic backend, {PRIOR_TRIALS} trials). "
-             "Trial numbers are 1-based; medians over seeds, per-seed values in brackets; "
-             f"'>{budget}' = not reached within the budget.", "",
-             "| request | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
-             "best reached warm | cold | first trial warm | cold |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for res in results:
-        p = res["pairs"]
-
-        def col(k: str, f: str) -> str:
-            xs = [q[k][f] for q in p]
-            return f"{med(xs, budget)} [{', '.join(str(x) if x else '–' for x in xs)}]"
-
-        def frac(k: str, f: str) -> str:
-            return f"{statistics.median([q[k][f] for q in p]):.1%}"
-
-        lines.append(f"| {res['request']} | {res['oracle']} | {statistics.median([q['warm']['warm_plans'] for q in p]):g} | "
-                     f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
-                     f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
-                     f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
-                     f"{frac('warm', 'first_fraction')} | {frac('cold', 'first_fraction')} |")
-    lines.append("")
-    if sim_note:
-        lines += [f"Note: {sim_note}", ""]
-    text = "\n".join(lines)
+    doc = {"versions": se.versions(), "machine": se.machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall}],
+           "seeds": seeds, "budget": budget, "results": results, "notes": notes}
     print()
-    print(text)
-    out = args.out or (None if args.quick else str(se.RESULTS / f"{se.DATE}-warm-start.md"))
+    print(render(doc))
+    suffix = "" if args.part == "all" else f"-{args.part}"
+    out = args.out or (None if args.quick else str(se.RESULTS / f"{se.DATE}-warm-start{suffix}.md"))
     if out:
-        Path(out).write_text(text + "\n")
-        Path(out).with_suffix(".json").write_text(json.dumps(
-            {"versions": v, "machine": se.machine(), "argv": sys.argv[1:], "wall_s": wall, "seeds": seeds,
-             "budget": budget, "results": results}, indent=1, default=str) + "\n")
-        print(f"\nwrote {out}")
+        write(doc, out)
 
 
 if __name__ == "__main__":
