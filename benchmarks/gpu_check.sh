@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measured vs predicted on one CUDA GPU, within 10 minutes: 8 plans of a 1B model
+# The gpu-marked tests, then measured vs predicted on one CUDA GPU: 8 plans of a 1B model
 # (full / LoRA / QLoRA, checkpointing on and off, micro-batch 1 and 2), each a real short
 # run launched by the measured evaluator; the table goes to benchmarks/results/.
 #
@@ -28,5 +28,7 @@ print("GPU:", torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties
 PYCHECK
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the GPU tests first (measured vs simulated on a small model, a few minutes)
+timeout 300 "$PY" -m pytest -q -m gpu tests/evaluators/test_gpu.py || echo "gpu tests: FAILED (see above)"
 timeout 580 "$PY" benchmarks/measured_vs_predicted.py --model "$MODEL" --seq-len "$SEQ" --global-batch 8 \
     --trial-timeout 120 --db "sqlite:///benchmarks/results/measured.db"
