@@ -69,6 +69,15 @@ class SearchRequest:
 
         return request_key(self.ctx, backend=self.backend, allowed=self.allowed.as_dict())
 
+    def space(self) -> SearchSpace:
+        """The plans this request searches: for a measured study, only fused losses it can run."""
+        single_rank = False
+        if self.backend == "measured":
+            from autofit.evaluators.measured import liger_runs
+
+            single_rank = not liger_runs(self.ctx, "cpu" if self.ctx.cluster.gpu.kind == "cpu" else "cuda")
+        return SearchSpace(self.ctx, self.allowed, fused_loss_single_rank_only=single_rank)
+
     @property
     def budget(self) -> dict[str, Any]:
         """What workers need to run the study the same way (node-local options stay out)."""
@@ -209,8 +218,8 @@ class _Objective:
 def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
                request: SearchRequest) -> list[tuple[dict[str, Any], TrialResult]]:
     """What is worth enqueuing: for a measured study, only plans the measured evaluator can
-    run on the target (a fused loss is not measured in multi-rank CPU runs, offload not on the
-    CPU target); such a plan would spend a trial of the budget on a ``failed`` result."""
+    run on the target (``measured.not_measurable``: e.g. a paged optimizer on the CPU target);
+    such a plan would spend a trial of the budget on a ``failed`` result."""
     if request.backend != "measured":
         return scored
     from autofit.evaluators.measured import not_measurable
@@ -291,7 +300,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
     import optuna
 
     progress = progress or (lambda event, data: None)
-    space = SearchSpace(request.ctx, request.allowed)  # refuses an impossible request before anything is stored
+    space = request.space()  # refuses an impossible request before anything is stored
     key = request.request_key
     if not fresh and not resume:
         done = store.find_finished_study(key)
@@ -413,7 +422,7 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    space = SearchSpace(request.ctx, request.allowed)
+    space = request.space()
     study = optuna.load_study(
         study_name=study_rec.optuna_study_name, storage=store.optuna_storage(*heartbeat),
         sampler=_sampler(request.seed if seed is None else seed),

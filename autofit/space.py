@@ -92,6 +92,9 @@ class Allowed:
 class SearchSpace:
     ctx: EvalContext
     allowed: Allowed = field(default_factory=Allowed)
+    # a fused loss only where one process runs the plain model: what the measured backend can
+    # run without Liger (the chunked loss calls the model body outside DDP/DeepSpeed/FSDP)
+    fused_loss_single_rank_only: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -205,7 +208,9 @@ class SearchSpace:
         packing = False
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
-        fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
+        fused = False
+        if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
+            fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
         return Plan(
             precision=precision, optimizer=optimizer, micro_batch=mb, grad_accum=self.per_rank_batch // mb,
             checkpointing=ckpt, attention=attention, sharding=sharding, offload=offload, packing=packing,

@@ -75,8 +75,6 @@ def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
     assert done.study.id == out.study.id and not done.interrupted
     rows = store.trials(out.study.id)
     assert len({r.plan_id for r in rows}) == len(rows)  # nothing evaluated twice
-    import dataclasses
-
     import optuna
 
     study = optuna.load_study(study_name=done.study.optuna_study_name, storage=store.optuna_storage())
@@ -105,32 +103,37 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     assert warm_start(cold, store, SearchSpace(cold.ctx, cold.allowed)) == []
 
 
-def test_a_measured_study_enqueues_only_plans_it_can_measure(store):
+def test_a_measured_study_searches_and_enqueues_only_plans_it_can_measure(store):
     """On 2xcpu a fused loss is not measured (multi-rank, no Liger): the analytic screen ranks
-    such plans first, and enqueuing them would spend the trial budget on ``failed`` results."""
+    such plans first; in a measured study they are not in the space, so no trial of the budget
+    goes to a ``failed`` result."""
     import dataclasses
 
     import optuna
 
     from autofit.evaluators.measured import not_measurable
-    from autofit.search import measurable, prepare_search
+    from autofit.search import prepare_search
     from tests.conftest import tiny
 
     ctx = build_context("gpt2", "2xcpu", seq_len=256, global_batch=16, cpu_mem_budget="120MiB")
     ctx = dataclasses.replace(ctx, model=tiny("mistral-7b", layers=4, vocab_size=4000))
     req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="full"), backend="measured", trials=12)
-    space = SearchSpace(ctx, req.allowed)
-    scored = screen(space)
-    favourites = [space.suggest(_Replay(p)) for p in candidates(scored, 6)]
-    assert any(p.fused_loss for p in favourites)  # what the screen alone would enqueue
+    analytic = SearchSpace(ctx, req.allowed)
+    favourites = [analytic.suggest(_Replay(p)) for p in candidates(screen(analytic), 6)]
+    assert any(p.fused_loss for p in favourites)  # what the screen would enqueue in the full space
+    space = req.space()
+    plans = list(space.enumerate())
+    assert plans and all(not not_measurable(p, ctx, "cpu") for p in plans)
+    assert len(plans) == sum(not p.fused_loss for p in analytic.enumerate())
     rec, finished = prepare_search(req, store)
     assert not finished
     study = optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage())
     enqueued = [space.suggest(_Replay(t.system_attrs["fixed_params"])) for t in study.trials]
-    assert len(enqueued) == 6
-    wanted = [space.suggest(_Replay(p)) for p in candidates(measurable(scored, req), 6)]
-    assert [p.plan_id for p in enqueued] == [p.plan_id for p in wanted]
-    assert all(not not_measurable(p, ctx, "cpu") and not p.fused_loss for p in enqueued)
+    assert [p.plan_id for p in enqueued] == [space.suggest(_Replay(p)).plan_id
+                                            for p in candidates(screen(space), 6)]
+    # one process, no engine: a fused loss runs there, and a measured study still searches it
+    single = dataclasses.replace(req, ctx=build_context("gpt2", "1xcpu", seq_len=256, global_batch=16))
+    assert any(p.fused_loss for p in single.space().enumerate())
 
 
 class _Replay:
