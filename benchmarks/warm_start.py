@@ -8,7 +8,8 @@ For each request (the five of ``search_efficiency.py``, analytic backend; plus g
 ``results/oracle/simulated-gpt2-xl-1xT4-seq2048-gb2.jsonl`` is complete):
 
 1. a *prior* study of the same model on the same GPUs, on a different workload (sequence
-   length 1024 instead of 2048; same global batch), runs with ``search.run_search`` (analytic
+   length 1024 instead of 2048, same global batch; or twice the global batch, same sequence
+   length — two variants), runs with ``search.run_search`` (analytic
    backend, 10 trials, its own seed) in a temporary SQLite store;
 2. the *target* study (the request's own workload) then runs in that store twice, in two
    copies of it: with warm start (``run_search(..., warm=True)``, the default: past winners
@@ -41,15 +42,20 @@ import search_efficiency as se  # noqa: E402
 
 from autofit import search  # noqa: E402
 
-PRIOR_SEQ = 1024
+PRIORS = ("seq 1024", "global batch x2")  # the prior study's workload, beside the target's (seq 2048)
+
+
+def prior_request(req: se.Request, prior: str) -> se.Request:
+    if prior == "seq 1024":
+        return se.Request(req.model, req.gpus, seq_len=1024, global_batch=req.global_batch, allowed=req.allowed)
+    return se.Request(req.model, req.gpus, seq_len=req.seq_len, global_batch=2 * req.global_batch, allowed=req.allowed)
 PRIOR_TRIALS = 10
 
 
-def run_pair(oracle: se.Oracle, budget: int, seed: int) -> dict[str, Any]:
+def run_pair(oracle: se.Oracle, budget: int, seed: int, prior: str = PRIORS[0]) -> dict[str, Any]:
     """Prior study, then the target with and without warm start (separate stores holding the same prior)."""
     req = oracle.request
-    prior_req = se.Request(req.model, req.gpus, seq_len=PRIOR_SEQ, global_batch=req.global_batch,
-                           allowed=req.allowed)
+    prior_req = prior_request(req, prior)
     out: dict[str, Any] = {}
     for warm in (True, False):
         with se.temp_store() as store:
@@ -95,14 +101,15 @@ def render(doc: dict) -> str:
               for r in doc["runs"]]
     lines += ["```", "",
               f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
-              f"at sequence length {PRIOR_SEQ} (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
+              f"on another workload — sequence length 1024 instead of 2048, or twice the global batch at the same "
+              f"sequence length (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
               "same temporary SQLite store as the target study. *warm*: `run_search(warm=True)` (the default); "
               "*cold*: `warm=False`; everything else equal (screen, sampler seed, budget). Trial numbers are 1-based; "
               f"medians over seeds, per-seed values in brackets; '>{budget}' / '–' = not reached within the budget.",
               "",
-              "| request | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
+              "| request | prior workload | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
               "best reached warm | cold | trial 1 warm | cold | OOM warm | cold |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in doc["results"]:
         p = res["pairs"]
 
@@ -116,7 +123,7 @@ def render(doc: dict) -> str:
         def num(k: str, f: str) -> str:
             return f"{statistics.median([q[k][f] for q in p]):g}"
 
-        lines.append(f"| {res['request']} | {res['oracle']} | {num('warm', 'warm_plans')} | "
+        lines.append(f"| {res['request']} | {res['prior']} | {res['oracle']} | {num('warm', 'warm_plans')} | "
                      f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
                      f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
                      f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
@@ -125,7 +132,7 @@ def render(doc: dict) -> str:
     lines += ["", "Past winners mapped into the target space (prior best → first warm trial's result), seed 0:", ""]
     for res in doc["results"]:
         w = res["pairs"][0]["warm"]
-        lines.append(f"- {res['request']} [{res['oracle']}]: prior best {w['prior_best']}; the warm plan at the target "
+        lines.append(f"- {res['request']} [{res['oracle']}, prior {res['prior']}]: prior best {w['prior_best']}; the warm plan at the target "
                      f"workload reached {w['first_fraction']:.1%} of the optimum"
                      + (f" ({w['first_status']})" if w.get("first_status") else "") + ".")
     lines += ["", NOTES]
@@ -146,6 +153,11 @@ NOTES = """Notes on reading this:
   simulated results of `search_efficiency.py`'s oracle table) is the one where the screen and
   the evaluator disagree; its prior study is analytic (at sequence length 1024), as a user's
   quick earlier search would be.
+- The past winner is mapped into the new space by `search.warm_start`: same techniques, the
+  micro-batch nearest its old one. From sequence length 1024 to 2048 that keeps the number of
+  sequences per micro-batch, so twice the tokens — a winner that sat at the memory edge at
+  1024 does not fit at 2048 (the "trial 1 warm" column). With twice the global batch at the same
+  sequence length the per-micro-batch memory is unchanged.
 """
 
 
@@ -188,12 +200,14 @@ def main() -> None:
     results = []
     for oracle in oracles:
         t = time.perf_counter()
-        pairs = [run_pair(oracle, budget, s) for s in seeds]
-        res = {"request": oracle.request.label, "oracle": oracle.kind, "pairs": pairs, "seconds": time.perf_counter() - t}
-        results.append(res)
-        print(f"{oracle.request.label} [{oracle.kind}]: " + "; ".join(
-            f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
-            f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
+        for prior in PRIORS:
+            pairs = [run_pair(oracle, budget, s, prior) for s in seeds]
+            res = {"request": oracle.request.label, "prior": prior, "oracle": oracle.kind, "pairs": pairs,
+                   "seconds": time.perf_counter() - t}
+            results.append(res)
+            print(f"{oracle.request.label} [{oracle.kind}, prior {prior}]: " + "; ".join(
+                f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
+                f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
     wall = time.perf_counter() - t0
     doc = {"versions": se.versions(), "machine": se.machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall}],
            "seeds": seeds, "budget": budget, "results": results, "notes": notes}
