@@ -706,9 +706,11 @@ def render(doc: dict) -> str:
     budgets = tuple(doc["budgets"])
     results = doc["results"]
     lines = [f"# Search efficiency — {DATE}", "",
-             f"Machine: {doc['machine']} (shared with other sessions; load average 3-5 during the runs). "
-             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items()) + ".", "", "```"]
+             f"Machine: {doc['machine']} (shared with other sessions' test runs). "
+             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit") + ".", "", "```"]
     lines += [f"$ python benchmarks/search_efficiency.py {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
+              + (f", autofit {r['autofit']}" if r.get("autofit") else "")
+              + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
               for r in doc["runs"]]
     lines += ["```", "",
               f"Seeds: {len(doc['seeds'])} (median reported; `min` shown where a seed did worse). Budgets: "
@@ -780,6 +782,7 @@ def main() -> None:
         if args.build_oracle_only:
             return
     t_start = time.perf_counter()
+    v = versions()  # the library as loaded now (other sessions may commit while this runs)
     seeds = list(range(args.seeds if args.seeds else (1 if args.quick else 5)))
     budgets = (5, 10, 20) if args.quick else BUDGETS
 
@@ -807,7 +810,8 @@ def main() -> None:
                 f"optimum {oracle.optimum:,.0f} tok/s ({oracle.best.plan.summary()})")
             results.append(bench_request(oracle, seeds, budgets, log))
     wall = time.perf_counter() - t_start
-    doc = {"versions": versions(), "machine": machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall}],
+    doc = {"versions": v, "machine": machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall,
+                                                          "autofit": v["autofit"], "load": os.getloadavg()}],
            "seeds": seeds, "budgets": list(budgets), "results": results, "notes": notes}
     print()
     print(render(doc))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -95,9 +96,11 @@ def med(xs: list[int | None], cap: int) -> str:
 def render(doc: dict) -> str:
     budget = doc["budget"]
     lines = [f"# Warm start — {se.DATE}", "",
-             f"Machine: {doc['machine']} (shared with other sessions; load average 3-5 during the runs). "
-             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items()) + ".", "", "```"]
+             f"Machine: {doc['machine']} (shared with other sessions' test runs). "
+             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit") + ".", "", "```"]
     lines += [f"$ python benchmarks/warm_start.py {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
+              + (f", autofit {r['autofit']}" if r.get("autofit") else "")
+              + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
               for r in doc["runs"]]
     lines += ["```", "",
               f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
@@ -186,6 +189,7 @@ def main() -> None:
         write(doc, args.out or str(se.RESULTS / f"{se.DATE}-warm-start.md"))
         return
     t0 = time.perf_counter()
+    v = se.versions()  # the library as loaded now (other sessions may commit while this runs)
     seeds = list(range(args.seeds if args.seeds else (2 if args.quick else 5)))
     budget = args.budget or (10 if args.quick else 20)
     oracles = [se.analytic_oracle(r) for r in se.REQUESTS] if args.part in ("all", "analytic") else []
@@ -209,7 +213,8 @@ def main() -> None:
                 f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
                 f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
     wall = time.perf_counter() - t0
-    doc = {"versions": se.versions(), "machine": se.machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall}],
+    doc = {"versions": v, "machine": se.machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall,
+                                                             "autofit": v["autofit"], "load": os.getloadavg()}],
            "seeds": seeds, "budget": budget, "results": results, "notes": notes}
     print()
     print(render(doc))
