@@ -138,6 +138,8 @@ def render(doc: dict) -> str:
         lines.append(f"- {res['request']} [{res['oracle']}, prior {res['prior']}]: prior best {w['prior_best']}; the warm plan at the target "
                      f"workload reached {w['first_fraction']:.1%} of the optimum"
                      + (f" ({w['first_status']})" if w.get("first_status") else "") + ".")
+    if doc.get("findings"):
+        lines += ["", "## Findings (read from the figures below)", "", doc["findings"]]
     lines += ["", NOTES]
     for note in doc.get("notes", []):
         lines += [f"Note: {note}", ""]
@@ -179,12 +181,16 @@ def main() -> None:
     ap.add_argument("--part", choices=("all", "analytic", "simulated"), default="all")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="write one report (--out) from the raw JSON of runs made with --part")
+    ap.add_argument("--findings", default=None, metavar="MD",
+                    help="with --merge: a reader's summary of these figures, printed under the summary table")
     args = ap.parse_args()
     if args.merge:
         docs = [json.loads(Path(p).read_text()) for p in args.merge]
         doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
                "results": [r for d in docs for r in d["results"]],
                "notes": [n for d in docs for n in d.get("notes", [])]}
+        if args.findings:
+            doc["findings"] = Path(args.findings).read_text().strip()
         print(render(doc))
         write(doc, args.out or str(se.RESULTS / f"{se.DATE}-warm-start.md"))
         return
