@@ -1,7 +1,7 @@
 """Search efficiency: how close to the true fastest fitting plan each strategy gets within a trial budget.
 
     python benchmarks/search_efficiency.py            # full: 5 seeds, budgets 5/10/20/40, writes results/
-    python benchmarks/search_efficiency.py --quick    # 2 seeds, a couple of minutes, prints only
+    python benchmarks/search_efficiency.py --quick    # 1 seed, budgets 5/10/20, under a minute at low load; prints only
     python benchmarks/search_efficiency.py --build-oracle-only   # (re)fill the simulated oracle table, resumable
     python benchmarks/search_efficiency.py --rebuild-oracle      # recompute the simulated oracle from scratch
 
@@ -19,8 +19,8 @@ evaluated; the optimum is the fastest plan whose ``TrialResult.fits``.
   a TPE-alone trajectory does not depend on the budget, so one 40-trial run per seed gives
   every budget as a prefix.
 * ``simulated`` oracle, gpt2-xl on 1xT4: every plan through ``SimulatedEvaluator`` (a real
-  training step under fake tensors). A trace takes 13-48 s on this 2-core VM (measured: full
-  sdpa 13 s ... qlora + checkpointing + eager 48 s), and the 600-plan space at global batch 16
+  training step under fake tensors). A trace takes 13-54 s on this 2-core VM (measured: full
+  sdpa 13 s ... qlora/full + checkpointing + eager 48-54 s), and the 600-plan space at global batch 16
   has 240 distinct traces (~2 h on one core), so this mode uses the *same request at global
   batch 2* (micro-batch 1 or 2): 240 plans, 96 distinct traces, every technique of the space
   kept (methods, checkpointing, attention, sharding, offload, fused loss) — only the
