@@ -340,8 +340,12 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         scored = screen(space, cal)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
         k = min(ENQUEUE_MAX, max(1, request.trials // 2))
-        for params in (warm_params + candidates(measurable(scored, request), k))[:max(k, len(warm_params))]:
-            study.enqueue_trial(params, skip_if_exists=True)
+        queue: list[dict[str, Any]] = []
+        for params in warm_params + candidates(measurable(scored, request), k + len(warm_params)):
+            if params not in queue:  # a past winner may be the screen's pick too
+                queue.append(params)
+        for params in queue[:max(k, len(warm_params))]:
+            study.enqueue_trial(params)
     return study_rec, False
 
 
@@ -351,9 +355,11 @@ WARM_START_MAX = 3
 def warm_start(request: SearchRequest, store, space: SearchSpace, exclude: int | None = None) -> list[dict[str, Any]]:
     """Params of the best plans stored for this model (or the nearest of its family) on this GPU type.
 
-    Each past winner is mapped into the new space: same techniques, the micro-batch
-    nearest to its old one that divides the new per-GPU batch; plans the new request
-    cannot run are skipped. They are re-evaluated under the new workload like any trial.
+    Each past winner is mapped into the new space: same techniques, and the micro-batch
+    that divides the new per-GPU batch with the tokens per micro-batch nearest the old
+    (activations scale with them: a winner at the memory edge stays there when the
+    sequence doubles only if its micro-batch halves); plans the new request cannot run are
+    skipped. They are re-evaluated under the new workload like any trial.
     """
     ctx = request.ctx
     past = [s for s in store.list_studies(gpu=ctx.cluster.gpu.name) if s.best is not None and s.study.id != exclude]
@@ -373,7 +379,9 @@ def warm_start(request: SearchRequest, store, space: SearchSpace, exclude: int |
         options = index.get(_technique_key(old))
         if not options:
             continue
-        params, _ = min(options, key=lambda pp: abs(pp[1].micro_batch - old.micro_batch))
+        old_tokens = old.micro_batch * s.study.seq_len
+        params, _ = min(options, key=lambda pp: (abs(pp[1].micro_batch * ctx.workload.seq_len - old_tokens),
+                                                 pp[1].micro_batch))
         if params not in out:
             out.append(params)
         if len(out) >= WARM_START_MAX:

@@ -95,6 +95,19 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     old = first.best.plan
     assert plan.method == old.method and plan.attention == old.attention and plan.sharding == old.sharding
     assert 12 % plan.micro_batch == 0
+    # the same request again: the past winner is also the screen's first pick, and the queue
+    # still holds as many distinct plans as a cold start's
+    from autofit.search import ENQUEUE_MAX, prepare_search
+
+    again, _ = prepare_search(request(global_batch=8), store, fresh=True)
+    study = __import__("optuna").load_study(study_name=again.optuna_study_name, storage=store.optuna_storage())
+    queued = [t.system_attrs["fixed_params"] for t in study.trials]
+    assert len(queued) == ENQUEUE_MAX and all(q not in queued[:i] for i, q in enumerate(queued))
+    # half the sequence: the tokens per micro-batch stay as near the winner's as they can
+    shorter = request(global_batch=8, seq_len=first.study.seq_len // 2)
+    sspace = SearchSpace(shorter.ctx, shorter.allowed)
+    splan = sspace.suggest(__import__("optuna").trial.FixedTrial(warm_start(shorter, store, sspace)[0]))
+    assert splan.micro_batch == min(2 * old.micro_batch, 8)
     # a model of the same family with another size borrows its nearest relative's winners
     kin = SearchRequest(ctx=build_context("gpt2-xl", "1xA10", seq_len=1024, global_batch=8), backend="analytic")
     assert warm_start(kin, store, SearchSpace(kin.ctx, kin.allowed))
