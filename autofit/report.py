@@ -266,8 +266,10 @@ class SearchProgress:
                              f"{ctx.workload.seq_len}, global batch {ctx.workload.global_batch} · "
                              f"{self.request.backend}, budget {self.budget} trials{resumed}"))
         elif event == "warm-start":
+            dropped = (f" ({data['dropped']} more predicted not to fit this workload)"
+                       if data.get("dropped") else "")
             self._print(Text(f"warm start: the best {data['n']} stored plan(s) of this model on "
-                             f"{ctx.cluster.gpu.name} go first"))
+                             f"{ctx.cluster.gpu.name} go first{dropped}"))
         elif event == "screening":
             self.phase = "screening"
             self._print(Text("screening the whole space with the analytic model …"))

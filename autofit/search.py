@@ -16,7 +16,7 @@ How a study runs (``run_search``):
 4. Every evaluation is a row in the store; the answer is read back from the store.
 
 Progress events (``progress(event, data)``): ``start`` {study, budget, done, best},
-``warm-start`` {n}, ``screening`` {space}, ``screened`` {n, fits}, ``trial-start`` {number,
+``screening`` {space}, ``screened`` {n, fits}, ``warm-start`` {n, dropped}, ``trial-start`` {number,
 plan}, ``trial-done`` {number, result}, ``trial-duplicate`` {number, result} (the sampler
 proposed a plan already evaluated; nothing new is stored).
 
@@ -330,15 +330,20 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
                        "done": sum(t.state.is_finished() for t in study.trials),
                        "best": max(stored, key=lambda t: t.tokens_per_sec).result() if stored else None})
     if not study.trials:
-        warm_params = warm_start(request, store, space, exclude=study_rec.id) if warm else []
-        if warm_params:
-            progress("warm-start", {"n": len(warm_params)})
         progress("screening", {"space": space})
         cal = calibration.from_store(store, request.ctx.cluster.gpu.name, "analytic") if request.calibrate else None
         if cal is not None:
             progress("calibration", {"calibration": cal})
         scored = screen(space, cal)
         progress("screened", {"n": len(scored), "fits": sum(r.fits for _, r in scored)})
+        warm_params = warm_start(request, store, space, exclude=study_rec.id) if warm else []
+        if warm_params:
+            # a past winner the screen would prune under the new workload would only spend a trial
+            margin = SCREEN_MARGIN.get(request.backend, 0.0)
+            runnable = [p for p, r in scored if _may_fit(r, request.ctx, margin)]
+            kept = [p for p in warm_params if p in runnable]
+            progress("warm-start", {"n": len(kept), "dropped": len(warm_params) - len(kept)})
+            warm_params = kept
         k = min(ENQUEUE_MAX, max(1, request.trials // 2))
         queue: list[dict[str, Any]] = []
         for params in warm_params + candidates(measurable(scored, request), k + len(warm_params)):

@@ -155,3 +155,21 @@ class _Replay:
 
     def suggest_categorical(self, name, choices):
         return self.params[name]
+
+
+def test_a_warm_plan_predicted_not_to_fit_the_new_workload_is_not_enqueued(store, monkeypatch):
+    import optuna
+
+    from autofit import search
+
+    req = request(trials=12)
+    scored = screen(SearchSpace(req.ctx, req.allowed))
+    doomed = next(p for p, r in scored if not r.fits)
+    good = next(p for p, r in scored if r.fits)
+    monkeypatch.setattr(search, "warm_start", lambda *a, **k: [doomed, good])
+    events = []
+    rec, _ = search.prepare_search(req, store, progress=lambda e, d: events.append((e, d)))
+    queued = [t.system_attrs["fixed_params"] for t in
+              optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage()).trials]
+    assert doomed not in queued and queued[0] == good
+    assert ("warm-start", {"n": 1, "dropped": 1}) in events
