@@ -21,9 +21,9 @@ For each request (the five of ``search_efficiency.py``, analytic backend; plus g
 Reported per request, median over seeds: *trials-to-best* (the first trial whose plan
 reaches the study's own final best) and *trials-to-98%* (the first trial reaching 98% of the
 oracle optimum, from ``search_efficiency``'s oracles), and the best reached. Note that
-``prepare_search`` enqueues ``(warm + screened)[:max(k, len(warm))]`` with ``k =
-min(6, trials // 2)``: warm plans are not added on top of the screen, they *displace* screened
-candidates and run first.
+``prepare_search`` enqueues past winners first and then the screened candidates, ``max(k,
+len(warm))`` distinct plans with ``k = min(6, trials // 2)``; a past winner the screen predicts
+not to fit the new workload is left out.
 """
 
 from __future__ import annotations
@@ -150,19 +150,21 @@ NOTES = """Notes on reading this:
 
 - With the analytic backend the screen already enqueues the analytic optimum of the target
   workload, and the evaluator *is* the analytic model, so the cold study finds its best at
-  trial 1 by construction and warm start cannot shorten it; it can only move the screened
-  pick later, because `prepare_search` enqueues `(warm + screened)[:max(k, len(warm))]` —
-  past winners first, displacing screened candidates. Any difference in the analytic rows is
-  that displacement.
+  trial 1 by construction and warm start cannot shorten it; it could only move the screened
+  pick later (past winners run first). Any difference in the analytic rows is that.
 - The simulated-replay row (gpt2-xl, 1xT4, global batch 2; its evaluator replaced by the stored
   simulated results of `search_efficiency.py`'s oracle table) is the one where the screen and
   the evaluator disagree; its prior study is analytic (at sequence length 1024), as a user's
   quick earlier search would be.
 - The past winner is mapped into the new space by `search.warm_start`: same techniques, the
-  micro-batch nearest its old one. From sequence length 1024 to 2048 that keeps the number of
-  sequences per micro-batch, so twice the tokens — a winner that sat at the memory edge at
-  1024 does not fit at 2048 (the "trial 1 warm" column). With twice the global batch at the same
-  sequence length the per-micro-batch memory is unchanged.
+  micro-batch whose tokens are nearest the old micro-batch's (from sequence length 1024 to 2048
+  the micro-batch halves where it can), and left out when the screen predicts it not to fit.
+  Before autofit 4729c85/d8a4f42 it kept the old micro-batch: a seq-1024 winner at the memory
+  edge did not fit at 2048 and cost one trial on every request (trials-to-best 2 warm vs 1
+  cold under the analytic oracle, 6 vs 5 on the simulated row; run at autofit 664ea9d).
+- What this benchmark cannot show: warm start pays where the screen is wrong for the GPU type
+  and past *measured* winners know better (measured studies); here every study is analytic or
+  replays the simulator, whose first five screened picks already hold the optimum.
 """
 
 
