@@ -71,16 +71,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _machine import machine, uptime, versions
 
 from autofit.evaluators.base import EvalContext, Status, TrialResult
 from autofit.evaluators.measured import MeasuredEvaluator
@@ -292,37 +290,6 @@ def trial_table(s: Side) -> list[str]:
     return out
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, no GPU ({platform.platform()})"
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def versions() -> str:
-    names = ("torch", "transformers", "accelerate", "deepspeed", "optuna", "peft")
-    out = [f"Python {platform.python_version()}"]
-    for k in names:
-        try:
-            out.append(f"{k} {importlib.metadata.version(k)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return ", ".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a 2-3 minute smoke run (2 autofit trials, grid stage 0)")
@@ -407,7 +374,7 @@ def main() -> None:
         f"Machine: {machine()}. The cores are shared with other sessions: every timing is from 2 shared "
         "cores and carries their noise.",
         f"Load (uptime) before: `{load_before}`; after: `{load_after}`.",
-        f"Versions: {versions()}.",
+        f"Versions: {versions('torch', 'transformers', 'accelerate', 'deepspeed', 'optuna', 'peft')}.",
         f"Command: `{cmd}` ({total:.0f} s in all).",
         "",
         f"Target `{args.gpus}` (2 ranks, gloo; DeepSpeed and FSDP on the CPU), `--cpu-mem-budget "

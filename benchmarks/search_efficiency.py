@@ -109,10 +109,28 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
+from _machine import machine
+
 from autofit import search
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, Evaluator, MemoryAnatomy, Status, Throughput, TrialResult
-from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding
+from autofit.evaluators.base import (
+    EvalContext,
+    Evaluator,
+    MemoryAnatomy,
+    Status,
+    Throughput,
+    TrialResult,
+)
+from autofit.plan import (
+    Attention,
+    Checkpointing,
+    Method,
+    Offload,
+    Optimizer,
+    Plan,
+    Precision,
+    Sharding,
+)
 from autofit.space import Allowed, SearchSpace
 from autofit.specs import Workload, parse_cluster, resolve_model
 
@@ -189,21 +207,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
-        mem_s = f", {mem / 2**20:.0f} GiB"
-    except (OSError, StopIteration):
-        mem_s = ""
-    return f"{model}, {os.cpu_count()} cores{mem_s}, no GPU"
 
 
 # -- the oracle ---------------------------------------------------------------------------------
@@ -269,7 +272,12 @@ def build_simulated_oracle(request: Request, rebuild: bool = False, reverse: boo
     A second process may work from the other end (``reverse``): each re-reads the table
     before a plan and skips what the other has done; a line is one ``write`` on an
     append-only file."""
-    from autofit.evaluators.simulated import SimulatedEvaluator, Target, TraceCache, TraceKey
+    from autofit.evaluators.simulated import (
+        SimulatedEvaluator,
+        Target,
+        TraceCache,
+        TraceKey,
+    )
 
     path = oracle_path(request)
     path.parent.mkdir(parents=True, exist_ok=True)

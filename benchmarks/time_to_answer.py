@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import os
-import platform
 import random
 import resource
 import shutil
@@ -44,6 +42,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling benchmark scripts
+
+from _machine import machine, uptime, versions  # noqa: E402
 
 GOAL_S = 60.0
 MODEL, GPUS = "mistral-7b", "2xA10"
@@ -136,36 +136,6 @@ def simulated_times(names: list[str]) -> list[tuple[str, str, float, str]]:
     return out
 
 
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, no GPU"
-
-
-def versions() -> str:
-    out = [f"Python {platform.python_version()}"]
-    for k in ("torch", "transformers", "peft", "bitsandbytes", "optuna", "sqlalchemy"):
-        try:
-            out.append(f"{k} {importlib.metadata.version(k)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return ", ".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one search run, 2,000 analytic plans, one simulated plan")
@@ -204,7 +174,7 @@ def main() -> None:
         "",
         f"Machine: {machine()}; the 2 cores are shared with other sessions, so timings carry their noise.",
         f"Load (uptime) before: `{load_before}`; after: `{load_after}`.",
-        f"Versions: {versions()}.",
+        f"Versions: {versions('torch', 'transformers', 'peft', 'bitsandbytes', 'optuna', 'sqlalchemy')}.",
         f"Command: `{cmd}` ({total:.0f} s in all).",
         "",
         f"Each run: `autofit search --model {MODEL} --gpus {GPUS} --db sqlite:///<fresh temp file>` in a fresh "
