@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 SMALL = 0.01  # components under 1% of the peak are compared in points of the peak (the tests' rule)
 
 
-def component_errors(ref: Mapping[str, int], other: Mapping[str, int], peak: int,
+def component_errors(ref: Mapping[str, float], other: Mapping[str, float], peak: float,
                      small: float = SMALL) -> dict[str, float]:
     """|other - ref| per component: relative to ``ref``, or in points of ``peak`` when both are small."""
     out = {}
@@ -21,16 +21,31 @@ def component_errors(ref: Mapping[str, int], other: Mapping[str, int], peak: int
     return out
 
 
-def summary_table(per_case: Iterable[Mapping[str, float]], peaks: Iterable[float], label: str) -> list[str]:
-    """Markdown rows: median and worst |error| of the peak and of each component over all cases."""
-    per_case, peaks = list(per_case), [abs(p) for p in peaks]
-    rows = [f"| {label} | cases | median abs error | worst abs error |", "|---|---:|---:|---:|"]
-    if peaks:
-        rows.append(f"| **peak** | {len(peaks)} | {statistics.median(peaks) * 100:.3f}% | {max(peaks) * 100:.3f}% |")
-    comps: dict[str, list[float]] = {}
-    for case in per_case:
-        for comp, err in case.items():
-            comps.setdefault(comp, []).append(err)
-    for comp, errs in comps.items():
-        rows.append(f"| {comp} | {len(errs)} | {statistics.median(errs) * 100:.3f}% | {max(errs) * 100:.3f}% |")
+# reference components, other components, reference peak, other peak
+Case = tuple[Mapping[str, float], Mapping[str, float], float, float]
+
+
+def summary_table(cases: Iterable[Case], label: str, small: float = SMALL) -> list[str]:
+    """Markdown rows: the peak's error and each component's, median and worst over all cases.
+
+    A component's error is given two ways: relative to itself (over the cases where the
+    reference component is at least ``small`` of the peak: a few KiB of scalars would
+    otherwise read as thousands of percent), and in points of the peak (how far it moves
+    the peak; every case).
+    """
+    cases = list(cases)
+
+    def pct(xs: list[float]) -> tuple[str, str]:
+        return (f"{statistics.median(xs) * 100:.3f}%", f"{max(xs) * 100:.3f}%") if xs else ("–", "–")
+
+    rows = [f"| {label} | cases | median rel. | worst rel. | cases ≥ {small:.0%} of peak "
+            "| median, points of peak | worst, points of peak |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    med, worst = pct([abs(op - rp) / rp for _, _, rp, op in cases])
+    rows.append(f"| **peak** | {len(cases)} | {med} | {worst} | {len(cases)} | {med} | {worst} |")
+    for comp in (cases[0][0] if cases else {}):
+        rel = [abs(o.get(comp, 0) - r[comp]) / r[comp] for r, o, p, _ in cases if r[comp] >= small * p]
+        pts = [abs(o.get(comp, 0) - r[comp]) / p for r, o, p, _ in cases]
+        (m1, w1), (m2, w2) = pct(rel), pct(pts)
+        rows.append(f"| {comp} | {len(cases)} | {m1} | {w1} | {len(rel)} | {m2} | {w2} |")
     return rows

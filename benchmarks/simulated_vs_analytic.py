@@ -21,7 +21,7 @@ import platform
 import sys
 import time
 
-from _errors import component_errors, summary_table
+from _errors import summary_table
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.base import COMPONENTS, EvalContext
@@ -49,6 +49,21 @@ def plans_for(model) -> list[tuple[str, Plan]]:
     return out
 
 
+def summarize(path: str) -> list[str]:
+    """The summary table of an earlier result file, from its MiB cells (``--summarize FILE``)."""
+    cases = []
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5 + len(PARTS) or not cells[2].replace(",", "").isdigit():
+            continue
+        sim_peak = int(cells[2].replace(",", ""))
+        pairs = [c.replace("⚑", "").replace(",", "").split("/") for c in cells[5:5 + len(PARTS)]]
+        sim = {c: float(p[0]) for c, p in zip(PARTS, pairs)}
+        ana = {c: float(p[1]) for c, p in zip(PARTS, pairs)}
+        cases.append((sim, ana, sim_peak, int(cells[3].replace(",", ""))))
+    return summary_table(cases, "analytic vs simulated")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -56,7 +71,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--out", default="")
     ap.add_argument("--quick", action="store_true", help="gpt2, qwen2.5-0.5b and llama-3.2-1b only")
+    ap.add_argument("--summarize", metavar="FILE", help="print the summary table of an earlier result file")
     args = ap.parse_args()
+    if args.summarize:
+        print("\n".join(summarize(args.summarize)))
+        return
     if args.quick:
         args.models = "gpt2,qwen2.5-0.5b,llama-3.2-1b"
     import torch
@@ -75,7 +94,7 @@ def main() -> None:
         + " | sim phase / ana phase | tokens/s sim / ana | trace s |",
         "|---|---|---:|---:|---:|" + "---|" * len(PARTS) + "---|---|---:|",
     ]
-    deltas, per_case, peak_errs = [], [], []
+    deltas, cases = [], []
     speed = []  # simulated / analytic tokens/s
     flagged = 0
     for name in args.models.split(","):
@@ -99,9 +118,8 @@ def main() -> None:
             sp, ap_ = sim.memory.peak_allocated, ana.memory.peak_allocated
             d = (sp - ap_) / ap_
             deltas.append(abs(d))
-            peak_errs.append(abs(ap_ - sp) / sp)
-            sim_parts = {c: getattr(sim.memory, c) for c in PARTS}
-            per_case.append(component_errors(sim_parts, {c: getattr(ana.memory, c) for c in PARTS}, sp))
+            cases.append(({c: getattr(sim.memory, c) for c in PARTS}, {c: getattr(ana.memory, c) for c in PARTS},
+                          sp, ap_))
             speed.append(sim.tokens_per_sec / ana.throughput.tokens_per_sec)
             flag = abs(d) > 0.10
             cells = []
@@ -123,7 +141,7 @@ def main() -> None:
         speed.sort()
         lines += [f"tokens/s simulated / analytic: median {speed[len(speed) // 2]:.2f}, "
                   f"range {speed[0]:.2f}–{speed[-1]:.2f}."]
-        lines += ["", *summary_table(per_case, peak_errs, "analytic vs simulated")]
+        lines += ["", *summary_table(cases, "analytic vs simulated")]
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as fh:
