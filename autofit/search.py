@@ -350,7 +350,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
             if params not in queue:  # a past winner may be the screen's pick too
                 queue.append(params)
         for params in queue[:max(k, len(warm_params))]:
-            study.enqueue_trial(params)
+            study.enqueue_trial(params, skip_if_exists=True)
     return study_rec, False
 
 
