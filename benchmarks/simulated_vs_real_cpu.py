@@ -64,7 +64,7 @@ def main() -> None:
         "| model | plan | workload | real peak MiB | sim peak MiB | peak error | worst component (error) | real s / sim s |",
         "|---|---|---|---:|---:|---:|---|---:|",
     ]
-    peaks, comps, cases = [], [], []
+    peaks, comps, pairs = [], [], []
     for family, plan, seq, lengths, layers in cases(args.quick):
         spec = tiny(family, layers=layers)
         wl = Workload(seq_len=seq, global_batch=plan.micro_batch * plan.grad_accum, lengths=lengths)
@@ -77,7 +77,7 @@ def main() -> None:
         errs = component_errors(real.components, tr.peak_components, real.peak)
         cn = max(errs, key=errs.get) if any(errs.values()) else ""
         ce = errs.get(cn, 0.0)
-        cases.append((real.components, tr.peak_components, real.peak, tr.peak))
+        pairs.append((real.components, tr.peak_components, real.peak, tr.peak))
         peaks.append(abs(pe))
         comps.append(ce)
         wdesc = f"L{layers} seq {seq}" + (" padded" if lengths else "")
@@ -93,7 +93,7 @@ def main() -> None:
         f"(bound 2%). Worst component error per case: median {comps[len(comps) // 2] * 100:.3f}%, "
         f"worst {comps[-1] * 100:.3f}% (bound 5%).",
         "",
-        *summary_table(cases, "simulated vs real CPU"),
+        *summary_table(pairs, "simulated vs real CPU"),
     ]
     text = "\n".join(lines)
     if args.out:
