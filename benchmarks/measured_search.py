@@ -78,6 +78,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _deepspeed import instantiation_bytes
 from _machine import machine, uptime, versions
 
 from autofit.evaluators.base import EvalContext, Status, TrialResult
@@ -163,18 +164,6 @@ def run_autofit(ctx: EvalContext, args, db: str) -> Side:
 
 
 # -- the DeepSpeed-autotuner-style grid -------------------------------------------------------
-def instantiation_bytes(n_params: int, stage: int, ranks: int) -> float:
-    """DeepSpeed's ``get_instantiation_memory_required_per_gpu`` with fp16 off (bf16 configs)."""
-    params, grads, optim = 4 * n_params, 4 * n_params, 8 * n_params
-    if stage >= 1:
-        optim /= ranks
-    if stage >= 2:
-        grads /= ranks
-    if stage >= 3:
-        params /= ranks
-    return params + grads + optim
-
-
 def base_plan(mb: int, per_rank: int, stage: int) -> Plan:
     return Plan(method="full", precision="bf16-mixed", optimizer="adamw", micro_batch=mb,
                 grad_accum=per_rank // mb, checkpointing="none", attention="sdpa", sharding=STAGES[stage])

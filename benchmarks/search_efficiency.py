@@ -109,6 +109,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
+from _deepspeed import instantiation_bytes
 from _machine import machine
 
 from autofit import search
@@ -473,14 +474,7 @@ def deepspeed_run(oracle: Oracle) -> tuple[Run, list[str]]:
     cap = per_rank  # max_train_micro_batch_size_per_gpu = max_train_batch_size // GPUs
 
     def inst(stage: int) -> float:
-        params, grads, opt = n * (2 if fp16 else 4), n * (2 if fp16 else 4), n * (16 if fp16 else 8)
-        if stage >= 1:
-            opt /= world
-        if stage >= 2:
-            grads /= world
-        if stage >= 3:
-            params /= world
-        return params + grads + opt
+        return instantiation_bytes(n, stage, world, fp16)
 
     def min_max(stage: int, min_mbs: int, calc_max: int) -> tuple[int, int]:
         if min_mbs > calc_max:
@@ -731,17 +725,23 @@ def _int_keys(res: dict) -> dict:
     return res
 
 
-def render(doc: dict) -> str:
-    budgets = tuple(doc["budgets"])
-    results = doc["results"]
-    lines = [f"# Search efficiency — {DATE}", "",
+def header(doc: dict, title: str, script: str) -> list[str]:
+    """Title, machine, versions and every command that contributed to ``doc``."""
+    lines = [f"# {title} — {DATE}", "",
              f"Machine: {doc['machine']} (shared with other sessions' test runs). "
              + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit") + ".", "", "```"]
-    lines += [f"$ python benchmarks/search_efficiency.py {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
+    lines += [f"$ python benchmarks/{script} {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
               + (f", autofit {r['autofit']}" if r.get("autofit") else "")
               + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
               for r in doc["runs"]]
-    lines += ["```", "",
+    return lines + ["```", ""]
+
+
+def render(doc: dict) -> str:
+    budgets = tuple(doc["budgets"])
+    results = doc["results"]
+    lines = header(doc, "Search efficiency", "search_efficiency.py")
+    lines += [
               f"Seeds: {len(doc['seeds'])} (median reported; `min` shown where a seed did worse). Budgets: "
               f"{', '.join(map(str, budgets))} trials. Each cell: best plan found as a fraction of the oracle optimum · "
               "trials spent on plans that do not fit (evaluated and OOM); autofit cells add how the budget went: "

@@ -95,14 +95,8 @@ def med(xs: list[int | None], cap: int) -> str:
 
 def render(doc: dict) -> str:
     budget = doc["budget"]
-    lines = [f"# Warm start — {se.DATE}", "",
-             f"Machine: {doc['machine']} (shared with other sessions' test runs). "
-             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit") + ".", "", "```"]
-    lines += [f"$ python benchmarks/warm_start.py {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
-              + (f", autofit {r['autofit']}" if r.get("autofit") else "")
-              + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
-              for r in doc["runs"]]
-    lines += ["```", "",
+    lines = se.header(doc, "Warm start", "warm_start.py")
+    lines += [
               f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
               f"on another workload — sequence length 1024 instead of 2048, or twice the global batch at the same "
               f"sequence length (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
