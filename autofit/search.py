@@ -73,9 +73,9 @@ class SearchRequest:
         """The plans this request searches: for a measured study, only fused losses it can run."""
         single_rank = False
         if self.backend == "measured":
-            from autofit.evaluators.measured import liger_runs
+            from autofit.evaluators.measured import device_kind, liger_runs
 
-            single_rank = not liger_runs(self.ctx, "cpu" if self.ctx.cluster.gpu.kind == "cpu" else "cuda")
+            single_rank = not liger_runs(self.ctx, device_kind(self.ctx))
         return SearchSpace(self.ctx, self.allowed, fused_loss_single_rank_only=single_rank)
 
     @property
@@ -222,9 +222,9 @@ def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
     such a plan would spend a trial of the budget on a ``failed`` result."""
     if request.backend != "measured":
         return scored
-    from autofit.evaluators.measured import not_measurable
+    from autofit.evaluators.measured import device_kind, not_measurable
 
-    device = "cpu" if request.ctx.cluster.gpu.kind == "cpu" else "cuda"
+    device = device_kind(request.ctx)
     return [(p, r) for p, r in scored if not not_measurable(r.plan, request.ctx, device)]
 
 

@@ -103,11 +103,6 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     study = __import__("optuna").load_study(study_name=again.optuna_study_name, storage=store.optuna_storage())
     queued = [t.system_attrs["fixed_params"] for t in study.trials]
     assert len(queued) == ENQUEUE_MAX and all(q not in queued[:i] for i, q in enumerate(queued))
-    # half the sequence: the tokens per micro-batch stay as near the winner's as they can
-    shorter = request(global_batch=8, seq_len=first.study.seq_len // 2)
-    sspace = SearchSpace(shorter.ctx, shorter.allowed)
-    splan = sspace.suggest(__import__("optuna").trial.FixedTrial(warm_start(shorter, store, sspace)[0]))
-    assert splan.micro_batch == min(2 * old.micro_batch, 8)
     # a model of the same family with another size borrows its nearest relative's winners
     kin = SearchRequest(ctx=build_context("gpt2-xl", "1xA10", seq_len=1024, global_batch=8), backend="analytic")
     assert warm_start(kin, store, SearchSpace(kin.ctx, kin.allowed))
@@ -155,6 +150,19 @@ class _Replay:
 
     def suggest_categorical(self, name, choices):
         return self.params[name]
+
+
+def test_warm_start_keeps_the_tokens_per_micro_batch_when_the_sequence_grows(store):
+    import optuna
+
+    from autofit.search import warm_start
+
+    old = run_search(request(global_batch=8, seq_len=512), store).best.plan
+    assert old.micro_batch >= 2  # else keeping the micro-batch and keeping the tokens agree
+    longer = request(global_batch=8, seq_len=1024)
+    space = SearchSpace(longer.ctx, longer.allowed)
+    plan = space.suggest(optuna.trial.FixedTrial(warm_start(longer, store, space)[0]))
+    assert plan.micro_batch == old.micro_batch // 2
 
 
 def test_a_warm_plan_predicted_not_to_fit_the_new_workload_is_not_enqueued(store, monkeypatch):

@@ -101,6 +101,11 @@ class MeasuredOptions:
             raise AutofitError("; ".join(problems))
 
 
+def device_kind(ctx: EvalContext) -> str:
+    """``cpu`` for the local-CPU target, else ``cuda`` (no check that this machine has it)."""
+    return "cpu" if ctx.cluster.gpu.kind == "cpu" else "cuda"
+
+
 def target_device(ctx: EvalContext) -> str:
     """``cpu`` for the local-CPU target, else ``cuda``; raises when this machine cannot run it."""
     cluster = ctx.cluster
