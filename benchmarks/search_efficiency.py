@@ -787,10 +787,22 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write(doc: dict, out: str) -> None:
-    Path(out).write_text(render(doc) + "\n")
+def write(doc: dict, out: str, render_doc: Callable[[dict], str] | None = None) -> None:
+    """The report (``render_doc``, default this script's) and its raw JSON beside it."""
+    Path(out).write_text((render_doc or render)(doc) + "\n")
     Path(out).with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(f"\nwrote {out}")
+
+
+def merged(paths: list[str], findings: str | None, fix: Callable[[dict], dict] = lambda r: r) -> dict:
+    """One document from the raw JSON of runs made in parts (``--merge``)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
+           "results": [fix(r) for d in docs for r in d["results"]],
+           "notes": [n for d in docs for n in d.get("notes", [])]}
+    if findings:
+        doc["findings"] = Path(findings).read_text().strip()
+    return doc
 
 
 def main() -> None:
@@ -811,12 +823,7 @@ def main() -> None:
                     help="with --merge: a reader's summary of these figures, printed under the summary table")
     args = ap.parse_args()
     if args.merge:
-        docs = [json.loads(Path(p).read_text()) for p in args.merge]
-        doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
-               "results": [_int_keys(r) for d in docs for r in d["results"]],
-               "notes": [n for d in docs for n in d.get("notes", [])]}
-        if args.findings:
-            doc["findings"] = Path(args.findings).read_text().strip()
+        doc = merged(args.merge, args.findings, _int_keys)
         print(render(doc))
         write(doc, args.out or str(RESULTS / f"{DATE}-search-efficiency.md"))
         return

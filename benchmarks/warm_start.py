@@ -29,7 +29,6 @@ not to fit the new workload is left out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -162,12 +161,6 @@ NOTES = """Notes on reading this:
 """
 
 
-def write(doc: dict, out: str) -> None:
-    Path(out).write_text(render(doc) + "\n")
-    Path(out).with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    print(f"\nwrote {out}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 seeds, budget 10; prints only (unless --out)")
@@ -181,14 +174,9 @@ def main() -> None:
                     help="with --merge: a reader's summary of these figures, printed under the summary table")
     args = ap.parse_args()
     if args.merge:
-        docs = [json.loads(Path(p).read_text()) for p in args.merge]
-        doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
-               "results": [r for d in docs for r in d["results"]],
-               "notes": [n for d in docs for n in d.get("notes", [])]}
-        if args.findings:
-            doc["findings"] = Path(args.findings).read_text().strip()
+        doc = se.merged(args.merge, args.findings)
         print(render(doc))
-        write(doc, args.out or str(se.RESULTS / f"{se.DATE}-warm-start.md"))
+        se.write(doc, args.out or str(se.RESULTS / f"{se.DATE}-warm-start.md"), render)
         return
     t0 = time.perf_counter()
     v = se.versions()  # the library as loaded now (other sessions may commit while this runs)
@@ -223,7 +211,7 @@ def main() -> None:
     suffix = "" if args.part == "all" else f"-{args.part}"
     out = args.out or (None if args.quick else str(se.RESULTS / f"{se.DATE}-warm-start{suffix}.md"))
     if out:
-        write(doc, out)
+        se.write(doc, out, render)
 
 
 if __name__ == "__main__":
