@@ -27,7 +27,17 @@ def files(tmp_path):
     with sqlite3.connect(newer) as conn:
         conn.execute("CREATE TABLE autofit_alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
         conn.execute("INSERT INTO autofit_alembic_version VALUES ('9999_future')")
+    spec_files(tmp_path)
+    store_files(tmp_path)
     return tmp_path
+
+
+def spec_files(d):
+    """Files for the model-config, study-file and option cases."""
+
+
+def store_files(d):
+    """Files for the database, study-name and work-dir cases."""
 
 
 CASES = [
@@ -58,6 +68,16 @@ CASES = [
      "cannot read duration"),
     ("bad host memory", EST + ["-m", "gpt2", "-g", "1xA10", "--host-mem", "lots"], "cannot read size"),
 ]
+
+# model configs, study files, options (specs/, studies.py, cli/options.py)
+SPEC_CASES = [
+]
+
+# databases, study names, work dirs (store/, cli/)
+STORE_CASES = [
+]
+
+CASES = CASES + SPEC_CASES + STORE_CASES
 
 
 @pytest.mark.parametrize("name,args,fragment", CASES, ids=[c[0] for c in CASES])
