@@ -15,6 +15,7 @@ import base64
 import datetime
 import html
 import importlib.metadata
+import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,22 @@ from autofit.evaluators.base import COMPONENTS, EvalContext, TrialResult
 
 GiB = 2**30
 REPORT_NAME = "report.html"
+REPORT_ROOT = "autofit-report"
+
+
+def default_out_dir(rec) -> Path:
+    """``autofit-report/NAME``, or ``autofit-report/study-ID`` where the stored name is not a
+    safe path component. New names are checked when a study is created
+    (``store.check_study_name``), but a database written before that may hold any name,
+    ``../../x`` included, and the default must never put a report outside ``autofit-report``."""
+    from autofit.errors import StoreError
+    from autofit.store.store import check_study_name
+
+    try:
+        safe = check_study_name(rec.name) == rec.name
+    except StoreError:
+        safe = False
+    return Path(REPORT_ROOT) / (rec.name if safe else f"study-{int(rec.id)}")
 
 
 @dataclass(frozen=True)
@@ -260,7 +277,8 @@ def render_html(rec, ctx: EvalContext, trials: Sequence[Any], standing, effects,
     # configs
     p.add('<h2 id="configs">Config files of the winner</h2>')
     if configs:
-        p.add(f"<p>Written by <code>autofit export {_e(rec.name)} --out DIR</code>; launch them unchanged.</p>")
+        p.add(f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
+              "launch them unchanged.</p>")
         for name, text in configs.items():
             p.add(f'<details open class="config"><summary>{_e(name)}</summary>'
                   f"<pre><code>{_e(text)}</code></pre></details>")
@@ -281,9 +299,10 @@ def render_html(rec, ctx: EvalContext, trials: Sequence[Any], standing, effects,
 
 
 def optuna_commands(rec, db_url: str) -> str:
-    return (f"autofit show {rec.name}\n"
+    """Shell commands to look further; the stored names are quoted (a name is never code)."""
+    return (f"autofit show {shlex.quote(rec.name)}\n"
             f"optuna-dashboard '{db_url}'   # pip install optuna-dashboard; open http://127.0.0.1:8080\n"
-            f"optuna trials --study-name {rec.optuna_study_name} --storage '{db_url}'")
+            f"optuna trials --study-name {shlex.quote(rec.optuna_study_name or '')} --storage '{db_url}'")
 
 
 def _configs(best: TrialResult, ctx: EvalContext) -> tuple[dict[str, str] | None, str | None]:

@@ -195,7 +195,7 @@ class SearchProgress:
         self._live: Live | None = None
         self.study = ""
         self.budget = request.trials
-        self.started = 0  # Optuna trial numbers started so far (previous runs of a resumed study included)
+        self.done = 0  # plans evaluated so far (previous runs of a resumed study included; not duplicates)
         self.current: tuple[int, Any] | None = None  # (number, plan) being evaluated
         self.phase = "starting"
         self.best: TrialResult | None = None
@@ -227,9 +227,10 @@ class SearchProgress:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(no_wrap=True)
         grid.add_column(no_wrap=True, overflow="ellipsis")
-        count = Text(f"trial {min(self.started, self.budget)}/{self.budget}", style="bold")
+        shown = min(self.done + (self.phase == "trial"), self.budget)  # the one being evaluated counts
+        count = Text(f"trial {shown}/{self.budget}", style="bold")
         count.append(f" · {_clock(self.elapsed)} elapsed · {self.request.backend}", style="")
-        grid.add_row(ProgressBar(total=max(self.budget, 1), completed=min(self.started, self.budget), width=30), count)
+        grid.add_row(ProgressBar(total=max(self.budget, 1), completed=shown, width=30), count)
         if self.current is not None and self.phase == "trial":
             number, plan = self.current
             grid.add_row(Text("evaluating", style="cyan"), Text(f"#{number} {plan.summary()}"))
@@ -258,7 +259,7 @@ class SearchProgress:
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         ctx = self.request.ctx
         if event == "start":
-            self.study, self.budget, self.started = data["study"], data["budget"], data["done"]
+            self.study, self.budget, self.done = data["study"], data["budget"], data["done"]
             if data.get("best") is not None:
                 self.best = data["best"]
             resumed = f", resuming after {data['done']} trials" if data["done"] else ""
@@ -280,18 +281,23 @@ class SearchProgress:
         elif event == "trial-start":
             self.phase = "trial"
             self.current = (data["number"], data["plan"])
-            self.started = max(self.started, data["number"] + 1)
+        elif event == "requeued":
+            numbers = ", ".join(f"#{n}" for n in data["numbers"])
+            self._print(Text(f"lost with their worker: {numbers}; their plans are queued again", style="yellow"))
+        elif event == "exhausted":
+            self._print(Text(f"every plan of the space is evaluated ({data['n']}); stopping before the budget",
+                             style="yellow"))
         elif event in ("trial-done", "trial-duplicate"):
             self.phase = "searching"
             r: TrialResult = data["result"]
             number = data["number"]
-            self.started = max(self.started, number + 1)  # followers see only finished trials
             if event == "trial-duplicate":
                 self._print(Text(f"#{number:<4d}(proposed again: {r.plan.summary()}; already evaluated)", style="dim"))
                 return
+            self.done += 1
             self.tally[r.status.value] = self.tally.get(r.status.value, 0) + 1
             line = Text("" if self.live else
-                        f"[{min(self.started, self.budget):>3d}/{self.budget} {_clock(self.elapsed):>5s}] ")
+                        f"[{min(self.done, self.budget):>3d}/{self.budget} {_clock(self.elapsed):>5s}] ")
             line.append_text(trial_line(number, r))
             self._print(line)
             if r.fits and (self.best is None or r.tokens_per_sec > self.best.tokens_per_sec):
@@ -306,6 +312,7 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
         "study": outcome.study.name,
         "from_store": outcome.from_store,
         "interrupted": outcome.interrupted,
+        "ending": outcome.ending,
         "elapsed_s": outcome.elapsed_s,
         "counts": outcome.counts(),
         "best": outcome.best.as_dict() if outcome.best else None,
@@ -401,6 +408,9 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
     console.print(f"\nstudy [bold]{outcome.study.name}[/bold] ({source}; {counts}) · {request.backend} · db {db_url}")
     if outcome.interrupted:
         console.print("[yellow]interrupted[/yellow]: finished trials are stored; continue with --resume")
+    elif outcome.exhausted:
+        console.print(f"[yellow]the space is exhausted[/yellow]: all {len({r.plan.plan_id for r in outcome.results})} "
+                      f"plans of the space were evaluated, fewer than the budget of {request.trials}")
     print_answer(console, standing, [m.value for m in request.allowed.methods], outcome.advice)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")

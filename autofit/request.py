@@ -12,14 +12,13 @@ from autofit.errors import PlanError, SpecError
 from autofit.evaluators.base import EvalContext
 from autofit.plan import Plan, Precision
 from autofit.specs import ClusterSpec, Workload, load_lengths, parse_cluster, resolve_model
+from autofit.specs.units import parse_size
 
 DEFAULT_GLOBAL_BATCH = 16
 DEFAULT_LORA_RANK = 16
 
 
 def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) -> ClusterSpec:
-    from autofit.cli.options import parse_size
-
     host = parse_size(host_mem) if isinstance(host_mem, str) else int(host_mem or 0)
     return parse_cluster(gpus, nodes=nodes, host_memory_bytes=host)
 
@@ -49,16 +48,28 @@ def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int 
 
 
 def with_cpu_budget(cluster: ClusterSpec, budget: str | int) -> ClusterSpec:
+    """The CPU target with ``budget`` bytes per rank.
+
+    Every rank runs on this machine, so the ranks' budgets together may not exceed its
+    physical memory: a larger budget would pass plans that the kernel kills (or swaps to
+    a crawl) instead of the measured run's clean OOM.
+    """
     import dataclasses
 
-    from autofit.cli.options import parse_size
-    from autofit.specs.gpus import cpu_device
+    from autofit.specs.gpus import GiB, cpu_device, physical_memory_bytes
 
     if cluster.gpu.kind != "cpu":
         raise SpecError(f"--cpu-mem-budget applies to the local CPU target (--gpus 1xcpu), not {cluster.gpu.name}")
     size = parse_size(budget) if isinstance(budget, str) else int(budget)
     if size <= 0:
         raise SpecError(f"--cpu-mem-budget must be positive, got {budget!r}")
+    ram, ranks = physical_memory_bytes(), cluster.gpus_per_node  # every rank runs here
+    if size * ranks > ram:
+        each = f" for each of {ranks} CPU ranks" if ranks > 1 else ""
+        raise SpecError(
+            f"--cpu-mem-budget {budget}{each} exceeds this machine's {ram / GiB:.1f} GiB of physical memory; "
+            f"give at most {ram // ranks / GiB:.1f}GiB"
+        )
     return dataclasses.replace(cluster, gpu=cpu_device(size))
 
 

@@ -15,13 +15,20 @@ How a study runs (``run_search``):
    stops the ones that cannot win.
 4. Every evaluation is a row in the store; the answer is read back from the store.
 
+The budget is a number of *evaluated plans*. A plan the sampler proposes again is not
+evaluated twice and does not count; after a few such proposals in a row the screen's best
+unevaluated plan is queued, and when every plan of the space is evaluated the search stops
+(``exhausted``) instead of looping.
+
 Progress events (``progress(event, data)``): ``start`` {study, budget, done, best},
 ``screening`` {space}, ``screened`` {n, fits}, ``warm-start`` {n, dropped}, ``trial-start`` {number,
 plan}, ``trial-done`` {number, result}, ``trial-duplicate`` {number, result} (the sampler
-proposed a plan already evaluated; nothing new is stored).
+proposed a plan already evaluated; nothing new is stored), ``requeued`` {numbers} (trials lost
+with their worker, whose plans are queued again), ``exhausted`` {n}.
 
-Ctrl-C stops between trials' evaluations cleanly: finished trials stay, the study is
-marked ``interrupted`` and ``--resume`` (or the same command) continues it.
+Ctrl-C, wherever it lands, leaves finished trials stored and the study marked
+``interrupted``; the trial it cut short is failed and its plan queued again when the study
+is resumed (``--resume``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 from autofit import calibration
 from autofit.errors import AutofitError
@@ -94,8 +102,17 @@ class SearchOutcome:
     closest: TrialResult | None = None
     advice: tuple[str, ...] = ()
     from_store: bool = False
-    interrupted: bool = False
+    ending: str = "done"  # why the search stopped: done | interrupted | exhausted | timeout (work())
     elapsed_s: float = 0.0
+
+    @property
+    def interrupted(self) -> bool:
+        return self.ending == "interrupted"
+
+    @property
+    def exhausted(self) -> bool:
+        """Every plan of the space was evaluated before the budget was spent."""
+        return self.ending == "exhausted"
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -156,8 +173,9 @@ def candidates(scored: list[tuple[dict[str, Any], TrialResult]], k: int) -> list
 class _Objective:
     def __init__(self, request: SearchRequest, space: SearchSpace, store, study_id: int, progress: Progress | None):
         self.request, self.space, self.store, self.study_id = request, space, store, study_id
-        self.claim: _Claim | None = None  # released as soon as the trial exists
+        self.claim: _Claim | None = None  # held until this trial's plan is known not to be a duplicate
         self.current: int | None = None  # number of the trial being evaluated
+        self.duplicates_in_a_row = 0  # plans the sampler proposed again, since the last new one
         self.progress = progress or (lambda event, data: None)
         self.screen = AnalyticEvaluator()
         gpu = request.ctx.cluster.gpu.name
@@ -167,24 +185,34 @@ class _Objective:
         }
         self.evaluator = (None if request.backend == "analytic"
                           else get_evaluator(request.backend, **dict(request.evaluator_options)))
+        self._by_prediction: list[tuple[dict[str, Any], str]] | None = None
 
     def __call__(self, trial) -> float:
         import optuna
 
-        if self.claim is not None:
-            self.claim.release()
         self.current = trial.number
         ctx = self.request.ctx
-        plan = self.space.suggest(trial)
-        trial.set_user_attr("plan_id", plan.plan_id)
+        try:
+            plan = self.space.suggest(trial)
+            trial.set_user_attr("plan_id", plan.plan_id)
+            known = {t.plan_id: t for t in self.store.trials(self.study_id)}  # by any worker
+            in_flight = _in_flight(trial.study, exclude=trial.number)
+        finally:  # other workers may claim now: this trial's plan is marked, the check is done
+            if self.claim is not None:
+                self.claim.release()
         self.progress("trial-start", {"number": trial.number, "plan": plan})
-        known = {t.plan_id: t for t in self.store.trials(self.study_id)}  # by any worker
-        if plan.plan_id in known:  # the sampler proposed a plan already evaluated
+        if plan.plan_id in known or plan.plan_id in in_flight:
+            # proposed again: no new evaluation, and the budget still has the slot (the
+            # work loop claims another trial); the sampler learns the known value
+            self.duplicates_in_a_row += 1
+            trial.set_user_attr("duplicate", True)
+            if plan.plan_id not in known:  # being evaluated by another worker: no value yet
+                raise optuna.TrialPruned(f"plan {plan.plan_id} is being evaluated by another worker")
             result = known[plan.plan_id].result()
             _set_constraints(trial, result, ctx)
-            trial.set_user_attr("duplicate", True)
             self.progress("trial-duplicate", {"number": trial.number, "result": result})
             return result.tokens_per_sec
+        self.duplicates_in_a_row = 0
         predicted = self._calibrated(self.screen.evaluate(plan, ctx))
         if self.evaluator is None:
             result = predicted
@@ -203,6 +231,14 @@ class _Objective:
             raise optuna.TrialPruned(result.reason)
         return result.tokens_per_sec
 
+    def next_unevaluated(self, taken: set[str]) -> dict[str, Any] | None:
+        """Params of the plan the analytic screen ranks first among those not in ``taken``
+        (where the sampler only proposes plans already evaluated)."""
+        if self._by_prediction is None:
+            cal = self.calibrations.get("analytic")
+            self._by_prediction = [(p, r.plan.plan_id) for p, r in measurable(screen(self.space, cal), self.request)]
+        return next((p for p, plan_id in self._by_prediction if plan_id not in taken), None)
+
     def _calibrated(self, result: TrialResult) -> TrialResult:
         cal = self.calibrations.get(result.evaluator)
         return cal.apply(result, self.request.ctx) if cal is not None else result
@@ -213,6 +249,14 @@ class _Objective:
             return not trial.should_prune()
 
         return on_step
+
+
+def _in_flight(study, exclude: int | None = None) -> set[str]:
+    """Plans of the trials being evaluated now (any worker), from the ``plan_id`` each marks first."""
+    from optuna.trial import TrialState
+
+    return {t.user_attrs["plan_id"] for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.number != exclude and "plan_id" in t.user_attrs}
 
 
 def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
@@ -261,15 +305,13 @@ def _sampler(seed: int):
     """TPE over the conditional space; it reads the constraints each trial sets."""
     import optuna
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # group=True
+    with _quiet_experimental():  # group=True
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=4)
 
 
 _PORTABLE_OPTIONS = ("warmup_steps", "timed_steps", "timeout_s")
 HEARTBEAT_INTERVAL_S = 10  # how often a running trial pings the database
 HEARTBEAT_GRACE_S = 60  # after this silence a trial's worker is taken for dead
-_OK_STATES = ("COMPLETE", "PRUNED")
 
 
 def request_from_study(rec) -> SearchRequest:
@@ -297,9 +339,13 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
                    study_name: str | None = None, progress: Progress | None = None, warm: bool = True):
     """The study to work on: an identical finished one (answer from the store), the one to
     resume, or a new one with the screened candidates enqueued. Returns ``(record, finished)``."""
-    import optuna
-
     progress = progress or (lambda event, data: None)
+    if fresh and resume:
+        raise AutofitError("--fresh starts a new study and --resume continues a stored one; give only one")
+    if study_name is not None and not resume:  # a stored study of an older autofit may still be resumed by name
+        from autofit.store.store import check_study_name
+
+        study_name = check_study_name(study_name)  # before an identical finished study answers instead
     space = request.space()  # refuses an impossible request before anything is stored
     key = request.request_key
     if not fresh and not resume:
@@ -317,6 +363,17 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
             request.ctx, backend=request.backend, allowed=request.allowed.as_dict(), budget=request.budget,
             name=study_name, optuna_study_name=f"autofit-{secrets.token_hex(8)}",
         )
+    with interrupted_marks(store, study_rec):
+        _open_study(request, store, study_rec, space, resume=resume, progress=progress, warm=warm)
+    return study_rec, False
+
+
+def _open_study(request: SearchRequest, store, study_rec, space: SearchSpace, *, resume: bool,
+                progress: Progress, warm: bool) -> None:
+    """Optuna's study for ``study_rec``: screened and enqueued when new; on resume, trials
+    the dead process left running are failed (the work loop queues their plans again)."""
+    import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=study_rec.optuna_study_name, storage=store.optuna_storage(),
                                 direction="maximize", load_if_exists=True)
@@ -325,10 +382,11 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
 
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
-    stored = [t for t in store.trials(study_rec.id) if t.fits and t.tokens_per_sec]
+    stored = store.trials(study_rec.id)
+    fitting = [t for t in stored if t.fits and t.tokens_per_sec]
     progress("start", {"study": study_rec.name, "budget": request.trials,
-                       "done": sum(t.state.is_finished() for t in study.trials),
-                       "best": max(stored, key=lambda t: t.tokens_per_sec).result() if stored else None})
+                       "done": len({t.plan_id for t in stored}),
+                       "best": max(fitting, key=lambda t: t.tokens_per_sec).result() if fitting else None})
     if not study.trials:
         progress("screening", {"space": space})
         cal = calibration.from_store(store, request.ctx.cluster.gpu.name, "analytic") if request.calibrate else None
@@ -351,7 +409,59 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
                 queue.append(params)
         for params in queue[:max(k, len(warm_params))]:
             study.enqueue_trial(params, skip_if_exists=True)
-    return study_rec, False
+
+
+@contextmanager
+def interrupted_marks(store, study_rec) -> Iterator[None]:
+    """A Ctrl-C inside the block marks the study ``interrupted`` (``--resume`` continues it)
+    before it propagates; a second Ctrl-C cannot leave the study ``running``. An error marks
+    it ``failed``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        with sigint_deferred():
+            store.finish_study(study_rec.id, "interrupted")
+        raise
+    except Exception as exc:
+        _mark_failed(store, study_rec, exc)
+        raise
+
+
+def _mark_failed(store, study_rec, exc: Exception) -> None:
+    """A search stopped by an error is ``failed`` (``--resume`` continues it once the cause is
+    fixed), not left ``running``. Not when the database itself is the error: the write would
+    only wait for it again, and a ``running`` study is resumable too."""
+    from autofit.errors import StoreError
+
+    if isinstance(exc, StoreError):
+        return
+    try:
+        with sigint_deferred():
+            store.finish_study(study_rec.id, "failed")
+    except AutofitError:
+        pass  # the original error is the one to report
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block is done, then deliver it (main thread only; elsewhere a no-op).
+
+    For the few writes that must not be cut in half by a second Ctrl-C: a study's final status.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(*caught[0])  # Python's default handler raises KeyboardInterrupt
 
 
 WARM_START_MAX = 3
@@ -423,18 +533,22 @@ class _Claim:
 
 
 def work(request: SearchRequest, store, study_rec, *, progress: Progress | None = None, seed: int | None = None,
-         heartbeat: tuple[int | None, int | None] = (None, None), poll_s: float = 1.0) -> bool:
-    """Evaluate trials of the study until its trial budget is met; True if interrupted (Ctrl-C).
+         heartbeat: tuple[int | None, int | None] = (None, None), poll_s: float = 1.0) -> str:
+    """Evaluate trials of the study until its budget of evaluated plans is met.
+
+    Returns why it stopped: ``done`` (budget met), ``interrupted`` (Ctrl-C), ``exhausted``
+    (every plan of the space is evaluated) or ``timeout``.
 
     Any number of these loops, in any processes on any hosts sharing the database, split
-    one study: each claims a trial under the study lock only while finished + running
-    trials are under the budget, so the study ends with exactly ``trials`` finished
-    trials. With a heartbeat, a trial whose worker died is failed by Optuna after the
-    grace period and its slot is claimed again.
+    one study: each claims a trial under the study lock only while evaluated + running
+    trials are under the budget, so the study ends with exactly ``trials`` evaluated plans.
+    A trial that proposes a plan already evaluated (or being evaluated) is not one: its
+    slot is claimed again. A trial lost with its worker (a heartbeat gone silent, Ctrl-C,
+    a process killed) has its plan queued again (``_requeue_lost``).
     """
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # its failed-trial tracebacks: we report what happened
     space = request.space()
     study = optuna.load_study(
         study_name=study_rec.optuna_study_name, storage=store.optuna_storage(*heartbeat),
@@ -442,6 +556,7 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
     )
     objective = _Objective(request, space, store, study_rec.id, progress)
+    report = progress or (lambda event, data: None)
     deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
     outage = _Outage(store)
     try:
@@ -449,32 +564,102 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
             try:
                 with _Claim(store.study_lock(study_rec.id)) as claim:
                     if heartbeat[0]:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        with _quiet_experimental():
                             optuna.storages.fail_stale_trials(study)
-                    states = [t.state.name for t in study.get_trials(deepcopy=False)]
-                    done = sum(s in _OK_STATES for s in states)
-                    if done >= request.trials:
-                        return False
-                    if done + states.count("RUNNING") < request.trials:
+                    stored = store.trials(study_rec.id)
+                    evaluated = {t.plan_id for t in stored}
+                    if len(evaluated) >= request.trials:
+                        return "done"
+                    trials = study.get_trials(deepcopy=False)
+                    requeued = _requeue_lost(study, trials, {t.optuna_trial_id for t in stored})
+                    if requeued:
+                        report("requeued", {"numbers": requeued})
+                        trials = study.get_trials(deepcopy=False)
+                    running = sum(t.state.name == "RUNNING" for t in trials)
+                    if len(evaluated) + running < request.trials:
+                        if objective.duplicates_in_a_row:  # the sampler proposed evaluated plans: any left?
+                            left = objective.next_unevaluated(evaluated | _in_flight(study))
+                            if left is None and not running:
+                                report("exhausted", {"n": len(evaluated)})
+                                return "exhausted"
+                            if left is None:  # the last plans are running in other workers: wait
+                                raise _NothingToClaim
+                            if objective.duplicates_in_a_row >= DUPLICATES_IN_A_ROW and not any(
+                                    t.state.name == "WAITING" for t in trials):
+                                study.enqueue_trial(left)  # it keeps proposing them: the screen's next goes first
+                                objective.duplicates_in_a_row = 0
                         objective.claim = claim
+                        objective.current = _next_trial_number(study)  # known before ask() can fail half-way
                         remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
                         study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
                         objective.current = None
                         outage.clear()
                         continue
+            except _NothingToClaim:
+                pass
             except Exception as exc:  # noqa: BLE001 - only database outages are retried
                 exc = _unmasked(exc)
                 if isinstance(exc, KeyboardInterrupt):
-                    return True
+                    return "interrupted"
                 outage.wait_or_raise(exc)
                 if objective.current is not None and outage.fail_trial(study, objective.current):
                     objective.current = None
                 continue
             time.sleep(poll_s)  # the rest of the budget is running in other workers
     except KeyboardInterrupt:
-        return True
-    return False
+        return "interrupted"
+    return "timeout"
+
+
+def _next_trial_number(study) -> int:
+    """The number of the trial ``study.ask()`` gives next: the first waiting one (Optuna's
+    ``Study._pop_waiting_trial_id``), else a new one. Exact under the study lock, where no
+    other worker asks or enqueues."""
+    trials = study.get_trials(deepcopy=False)
+    return next((t.number for t in trials if t.state.name == "WAITING"), len(trials))
+
+
+class _NothingToClaim(Exception):
+    """Every plan left is being evaluated by another worker."""
+
+
+DUPLICATES_IN_A_ROW = 8  # proposals of evaluated plans before the screen's next plan is queued
+RETRY_LOST_MAX = 3  # times a lost trial's plan is queued again (a plan that kills its worker stops)
+
+
+def _requeue_lost(study, trials, stored_trial_ids: set[int | None]) -> list[int]:
+    """Queue again the plans of trials lost with their worker; returns their numbers.
+
+    Lost: Optuna failed the trial (a heartbeat gone silent, Ctrl-C inside it, a resume
+    failing what a killed process left running, a result that could not be told) and no
+    result of it is stored. A plan that fails on its own is stored with its status
+    (``failed``, ``oom``, ``timeout``), so it is never queued again. Optuna's own retry
+    callback does the queueing, so ``retry_history`` links each retry to the lost trial.
+    Call under the study lock: two workers must not queue one plan twice.
+    """
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.trial import TrialState
+
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
+    out = []
+    for t in trials:
+        if (t.state is not TrialState.FAIL or t.number in retried or t._trial_id in stored_trial_ids
+                or len(t.system_attrs.get("retry_history", ())) >= RETRY_LOST_MAX):
+            continue
+        with _quiet_experimental():
+            RetryHeartbeatStaleTrialCallback()(study, t)
+        out.append(t.number)
+    return out
+
+
+@contextmanager
+def _quiet_experimental() -> Iterator[None]:
+    """Optuna's ExperimentalWarning on APIs autofit relies on deliberately (heartbeat, retry, group)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
 
 
 def _unmasked(exc: BaseException) -> BaseException:
@@ -513,11 +698,14 @@ class _Outage:
 
     @staticmethod
     def fail_trial(study, number: int) -> bool:
-        """Our trial whose result could not be told: mark it failed so its slot is claimed again."""
+        """Our trial whose result could not be told, or that ``ask`` created before the
+        connection broke: mark it failed, so its slot is claimed again (and its plan queued
+        again). Left running, nothing would ever finish it and the budget would wait for it."""
         from optuna.trial import TrialState
 
         try:
-            if study.trials[number].state is TrialState.RUNNING:
+            trials = study.get_trials(deepcopy=False)
+            if number < len(trials) and trials[number].state is TrialState.RUNNING:
                 study.tell(number, state=TrialState.FAIL)
             return True
         except Exception:  # noqa: BLE001 - still unreachable: try again after the next wait
@@ -538,9 +726,16 @@ def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bo
         return _outcome(request, store, study_rec, from_store=True, elapsed=time.perf_counter() - t0)
     if workers <= 0:
         return _outcome(request, store, study_rec, elapsed=time.perf_counter() - t0)
-    interrupted = work(request, store, study_rec, progress=progress)
-    study_rec = store.finish_study(study_rec.id, "interrupted" if interrupted else "finished")
-    return _outcome(request, store, study_rec, interrupted=interrupted, elapsed=time.perf_counter() - t0)
+    try:
+        ending = work(request, store, study_rec, progress=progress)
+    except KeyboardInterrupt:  # work() returns on Ctrl-C; this is one landing outside its loop
+        ending = "interrupted"
+    except Exception as exc:
+        _mark_failed(store, study_rec, exc)
+        raise
+    with sigint_deferred():  # a second Ctrl-C waits until the status is written
+        study_rec = store.finish_study(study_rec.id, "interrupted" if ending == "interrupted" else "finished")
+    return _outcome(request, store, study_rec, ending=ending, elapsed=time.perf_counter() - t0)
 
 
 def run_worker(store, study: str, *, progress: Progress | None = None,
@@ -551,11 +746,11 @@ def run_worker(store, study: str, *, progress: Progress | None = None,
     if rec.status.value == "finished":
         return _outcome(request_from_study(rec), store, rec, from_store=True)
     request = request_from_study(rec)
-    interrupted = work(request, store, rec, progress=progress, seed=secrets.randbelow(2**31), heartbeat=heartbeat)
-    if not interrupted:
-        rec = store.finish_study(rec.id, "finished")
-    return _outcome(request, store, store.get_study(rec.id), interrupted=interrupted,
-                    elapsed=time.perf_counter() - t0)
+    ending = work(request, store, rec, progress=progress, seed=secrets.randbelow(2**31), heartbeat=heartbeat)
+    if ending != "interrupted":  # an interrupted worker leaves the study to the others
+        with sigint_deferred():
+            rec = store.finish_study(rec.id, "finished")
+    return _outcome(request, store, store.get_study(rec.id), ending=ending, elapsed=time.perf_counter() - t0)
 
 
 def stored_outcome(request: SearchRequest, store, rec) -> SearchOutcome:
@@ -592,7 +787,7 @@ def follow(store, study: str, *, progress: Progress | None = None, poll_s: float
     return _outcome(request, store, rec, elapsed=time.perf_counter() - t0)
 
 
-def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = False, interrupted: bool = False,
+def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = False, ending: str = "done",
              elapsed: float = 0.0) -> SearchOutcome:
     results = tuple(store.trial_result(t) for t in store.trials(study_rec.id))
     fitting = [r for r in results if r.fits]
@@ -607,7 +802,7 @@ def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = Fal
         advice = tuple(what_it_would_take(request, closest))
     return SearchOutcome(
         study=study_rec, results=results, best=best, best_per_method=per_method, closest=closest,
-        advice=advice, from_store=from_store, interrupted=interrupted, elapsed_s=elapsed,
+        advice=advice, from_store=from_store, ending=ending, elapsed_s=elapsed,
     )
 
 

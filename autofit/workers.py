@@ -41,7 +41,11 @@ def _local_cuda_devices(request) -> int:
 
 @contextlib.contextmanager
 def spawn_local_workers(study: str, db_url: str, k: int, request) -> Iterator[Callable[[], bool]]:
-    """Start ``k`` workers; yield "is any still alive"; on exit wait for them (terminate on error)."""
+    """Start ``k`` workers; yield "is any still alive"; on exit wait for them.
+
+    On an error or Ctrl-C they get SIGINT, as a terminal would send (a worker stops like
+    ``autofit worker`` on Ctrl-C: its trial is failed and queued again on resume), and
+    SIGKILL after 30 s."""
     subsets = gpu_subsets(k, request.ctx.cluster.world_size, _local_cuda_devices(request))
     procs = []
     for subset in subsets:
@@ -59,7 +63,7 @@ def spawn_local_workers(study: str, db_url: str, k: int, request) -> Iterator[Ca
     finally:
         for p in procs:
             if not ok and p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, signal.SIGINT)
         for p in procs:
             try:
                 p.wait(timeout=None if ok else 30)

@@ -5,7 +5,7 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autofit.cli.options import parse_duration, parse_size
+from autofit.specs.units import parse_duration, parse_size
 from autofit.errors import AutofitError
 from autofit.plan import Plan
 from autofit.specs import parse_cluster
@@ -79,3 +79,39 @@ def test_size_and_duration_parsers(text):
         except AutofitError:
             continue
         assert value is None or value >= 0
+
+
+@FUZZ
+@given(st.one_of(st.integers(), st.floats(), st.text(alphabet="0123456789.hms ", max_size=400)))
+def test_duration_parser_returns_a_positive_finite_time(value):
+    import math
+
+    try:
+        seconds = parse_duration(value)
+    except AutofitError:
+        return
+    assert seconds > 0 and math.isfinite(seconds)
+
+
+config_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.integers(), st.floats(),
+                          st.text(max_size=6), st.lists(st.integers(1, 64), max_size=2),
+                          st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
+config_keys = st.sampled_from(["model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                               "max_position_embeddings", "tie_word_embeddings", "n_embd", "n_head"])
+
+
+@FUZZ
+@given(st.sampled_from(["llama", "gpt2", "gemma2"]), st.dictionaries(config_keys, config_values, max_size=4))
+def test_model_config_reader(model_type, overrides):
+    from autofit.specs import ModelSpec
+
+    base = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    try:
+        spec = ModelSpec.from_hf_config({**base, **overrides}, source="config.json")
+    except AutofitError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert spec.n_params > 0 and spec.num_heads % spec.num_kv_heads == 0
+    assert all(type(getattr(spec, f)) is int for f in ("hidden_size", "num_layers", "num_heads", "head_dim"))

@@ -1,5 +1,7 @@
 """The search loop end to end on the analytic backend, against SQLite and PostgreSQL."""
 
+import dataclasses
+
 import pytest
 
 from autofit.evaluators.base import Status
@@ -58,6 +60,12 @@ def test_nothing_fits_says_what_it_would_take(store):
     assert "needs" in text and ("fits" in text or "smaller model" in text)
 
 
+def _optuna_trials(store, rec):
+    import optuna
+
+    return optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage()).trials
+
+
 def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
     req = request(trials=10)
     seen = []
@@ -74,13 +82,62 @@ def test_interrupted_search_resumes_without_rerunning_finished_plans(store):
     done = run_search(req, store, resume=True)
     assert done.study.id == out.study.id and not done.interrupted
     rows = store.trials(out.study.id)
+    assert len(rows) == 10  # the budget is 10 evaluated plans, exactly
     assert len({r.plan_id for r in rows}) == len(rows)  # nothing evaluated twice
-    import optuna
+    states = [t.state.name for t in _optuna_trials(store, done.study)]
+    assert states.count("FAIL") == 1  # the trial Ctrl-C stopped after its result was stored: not run again
+    assert "WAITING" not in states and "RUNNING" not in states
 
-    study = optuna.load_study(study_name=done.study.optuna_study_name, storage=store.optuna_storage())
-    states = [t.state.name for t in study.trials]
-    assert states.count("COMPLETE") + states.count("PRUNED") == 10  # the budget, exactly
-    assert states.count("FAIL") == 1  # the trial Ctrl-C stopped
+
+def test_a_plan_interrupted_before_its_result_is_run_again_on_resume(store):
+    """Ctrl-C inside an evaluation loses that trial; --resume queues its plan first (issue 12)."""
+    req = request(trials=8)
+    started = []
+
+    def stop_in_the_fourth(event, data):
+        if event == "trial-start":
+            started.append(data["plan"].plan_id)
+            if len(started) == 4:
+                raise KeyboardInterrupt  # as if Ctrl-C landed while the plan was evaluated
+
+    out = run_search(req, store, progress=stop_in_the_fourth)
+    lost = started[3]
+    assert out.interrupted and lost not in {r.plan_id for r in store.trials(out.study.id)}
+    events = []
+    done = run_search(req, store, resume=True, progress=lambda e, d: events.append((e, d)))
+    rows = store.trials(done.study.id)
+    assert lost in {r.plan_id for r in rows} and len(rows) == 8
+    assert ("requeued", {"numbers": [3]}) in events
+    trials = _optuna_trials(store, done.study)
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == 3]
+    assert len(retry) == 1 and retry[0].state.name == "COMPLETE"  # queued once, by Optuna's retry callback
+
+
+def test_duplicates_do_not_use_up_the_budget(store):
+    """A plan the sampler proposes again is not an evaluation: the study still stores exactly
+    ``trials`` plans (before the fix: 21 of 24 with this seed)."""
+    ctx = build_context("gpt2", "1xT4", seq_len=2048, global_batch=16)
+    req = SearchRequest(ctx=ctx, allowed=Allowed(), backend="analytic", trials=24, seed=4)
+    out = run_search(req, store)
+    rows = store.trials(out.study.id)
+    assert len(rows) == 24 and len({r.plan_id for r in rows}) == 24
+    trials = _optuna_trials(store, out.study)
+    assert any(t.user_attrs.get("duplicate") for t in trials)  # the seed does propose duplicates
+    assert out.ending == "done"
+
+
+def test_a_space_smaller_than_the_budget_is_exhausted_not_looped(store):
+    """Every plan evaluated before the budget: the search stops and says so."""
+    ctx = build_context("gpt2", "1xcpu", seq_len=1024, global_batch=1)
+    allowed = Allowed.parse(methods="full")  # 8 plans
+    size = SearchSpace(ctx, allowed).size()
+    req = SearchRequest(ctx=ctx, allowed=allowed, backend="analytic", trials=size + 10)
+    events = []
+    out = run_search(req, store, progress=lambda e, d: events.append(e))
+    rows = store.trials(out.study.id)
+    assert out.exhausted and "exhausted" in events
+    assert len(rows) == size and len({r.plan_id for r in rows}) == size
+    assert store.get_study(out.study.id).status.value == "finished"
 
 
 def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
@@ -181,3 +238,54 @@ def test_a_warm_plan_predicted_not_to_fit_the_new_workload_is_not_enqueued(store
               optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage()).trials]
     assert doomed not in queued and queued[0] == good
     assert ("warm-start", {"n": 1, "dropped": 1}) in events
+
+
+def test_a_search_stopped_by_an_error_is_marked_failed_and_resumes(store, monkeypatch):
+    """Not left ``running``: ``failed``, and ``--resume`` finds it and runs it to its budget."""
+    req = request(trials=6)
+    real = type(store).record_trial
+    calls = []
+
+    def breaks_at_the_third(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the disk is on fire")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(store), "record_trial", breaks_at_the_third)
+    with pytest.raises(RuntimeError, match="on fire"):
+        run_search(req, store)
+    (summary,) = store.list_studies()
+    assert summary.study.status.value == "failed"
+    monkeypatch.undo()
+    done = run_search(req, store, resume=True)
+    assert done.study.id == summary.study.id and not done.interrupted
+    assert len(store.trials(done.study.id)) == 6
+    assert store.get_study(done.study.id).status.value == "finished"
+
+
+def test_a_trial_orphaned_inside_ask_by_a_lost_connection_is_failed_not_waited_for(store, monkeypatch):
+    """The database goes away after ``ask`` created a trial but before the objective ran: that
+    trial must be failed and its slot reused, or the
+    search waits for it forever at the end of its budget (seen once under a PostgreSQL restart)."""
+    import sqlite3
+
+    import optuna
+    from sqlalchemy.exc import OperationalError
+
+    real = optuna.samplers.TPESampler.before_trial  # called by Trial.__init__, inside study.ask()
+    calls = []
+
+    def drops_once(self, study, trial):
+        calls.append(trial.number)
+        if len(calls) == 3:
+            raise OperationalError("SELECT ...", {}, sqlite3.OperationalError("database is locked"))
+        return real(self, study, trial)
+
+    monkeypatch.setattr(optuna.samplers.TPESampler, "before_trial", drops_once)
+    req = dataclasses.replace(request(trials=6), timeout_s=60)
+    out = run_search(req, store)
+    assert out.ending == "done"  # before: "timeout", waiting on the orphan with 5 of 6 evaluated
+    assert len(store.trials(out.study.id)) == 6
+    states = [t.state.name for t in _optuna_trials(store, out.study)]
+    assert "RUNNING" not in states and states.count("FAIL") == 1

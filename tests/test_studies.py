@@ -30,3 +30,75 @@ def test_bad_study_files(tmp_path, text, fragment):
     p.write_text(text)
     with pytest.raises(SpecError, match=fragment):
         load_study_file(str(p))
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", r"is not UTF-8 text \(byte 0x89 at offset 0\)"),
+    (b"model: gpt2\nname: caf\xe9\n", r"is not UTF-8 text \(byte 0xe9 at offset 21\)"),
+    (b"model: gpt2\n#" + b"x" * 2**20, "is over 1 MiB"),
+    (b"model: &m gpt2\nname: *m\n", r"uses a YAML alias \(line 2\)"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"headroom: .nan\n", "'headroom' must be a finite number"),
+    (b"lora_ranks: [8, 0]\n", "'lora_ranks' must be positive integers, got 0"),
+    (b"lora_ranks: -4\n", "'lora_ranks' must be positive integers, got -4"),
+    (b"timeout: -5\n", "'timeout': duration -5 must be a positive"),
+    (b"timeout: 0\n", "'timeout': duration 0 must be a positive"),
+    (b"timeout: .inf\n", "'timeout'"),
+    (b"timeout: soon\n", "'timeout': cannot read duration 'soon'"),
+    (b"name: " + b"x" * 500 + b"\nbogus" + b"y" * 500 + b": 1\n", "unknown key 'bogusyyy"),
+])
+def test_files_that_are_not_a_study(tmp_path, raw, fragment):
+    p = tmp_path / "s.yaml"
+    p.write_bytes(raw)
+    with pytest.raises(SpecError, match=fragment) as err:
+        load_study_file(str(p))
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+
+
+def test_billion_laughs_is_refused_before_it_expands(tmp_path):
+    import time
+
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    p = tmp_path / "laughs.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    start = time.monotonic()
+    with pytest.raises(SpecError, match="uses a YAML alias"):
+        load_study_file(str(p))
+    assert time.monotonic() - start < 1
+
+
+def test_a_study_file_of_exactly_1_mib_still_loads(tmp_path):
+    head = b"model: gpt2\ntrials: 5\n#"
+    p = tmp_path / "s.yaml"
+    p.write_bytes(head + b"x" * (2**20 - len(head) - 1) + b"\n")
+    assert load_study_file(str(p)) == {"model": "gpt2", "trials": 5}
+
+
+def test_study_file_values_obey_the_cli_ranges_and_nothing_is_stored(tmp_path):
+    from click.testing import CliRunner
+
+    from autofit.cli import cli
+
+    db = tmp_path / "s.db"
+    for line, fragment in [("trials: -3", "'trials': -3 is not in the range x>=1"),
+                           ("seed: 4294967296", "'seed': 4294967296 is not in the range 0<=x<=4294967295"),
+                           ("headroom: 0.91", "'headroom': 0.91 is not in the range 0.0<=x<=0.9"),
+                           ("nodes: 0", "'nodes': 0 is not in the range x>=1")]:
+        p = tmp_path / "s.yaml"
+        p.write_text(f"model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\n{line}\n")
+        r = CliRunner().invoke(cli, ["search", "--config", str(p), "--db", str(db), "--out", ""])
+        assert r.exit_code != 0 and fragment in r.output and "Traceback" not in r.output, r.output
+    assert not db.exists()
+
+
+def test_the_command_line_still_overrides_an_out_of_range_file_value(tmp_path):
+    from click.testing import CliRunner
+
+    from autofit.cli import cli
+
+    p = tmp_path / "s.yaml"
+    p.write_text("model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n")
+    r = CliRunner().invoke(cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"),
+                                 "--out", "", "--json"])
+    assert r.exit_code == 0, r.output

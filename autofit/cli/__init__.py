@@ -10,6 +10,7 @@ from autofit.cli.catalog import gpus, models
 from autofit.cli.db import db
 from autofit.cli.estimate import estimate
 from autofit.cli.history import best, export_cmd, history, show
+from autofit.cli.options import interrupted
 from autofit.cli.report import report_cmd
 from autofit.cli.search import search
 from autofit.cli.worker import worker
@@ -26,7 +27,9 @@ class _Group(click.Group):
         except click.ClickException as exc:
             click.echo(f"Error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
+        except click.Abort as exc:
+            if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C outside a command's body
+                interrupted()
             click.echo("Aborted.", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

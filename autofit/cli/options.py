@@ -1,14 +1,14 @@
-"""Reusable option stacks (sqlite-utils style) and the parsing they share."""
+"""Reusable option stacks (sqlite-utils style) and the CLI edge (errors, Ctrl-C)."""
 
 from __future__ import annotations
 
 import functools
-import re
+import sys
 from typing import Any, Callable
 
 import click
 
-from autofit.errors import AutofitError, SpecError
+from autofit.errors import AutofitError
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -20,37 +20,7 @@ from autofit.plan import (
     Precision,
     Sharding,
 )
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``256GiB``, ``64gb``, ``1.5TiB`` -> bytes."""
-    m = _SIZE_RE.match(text or "")
-    if not m:
-        raise SpecError(f"cannot read size {text!r}; write it like 256GiB or 64GB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([hms]?)", re.I)
-
-
-def parse_duration(text: str | float | int | None) -> float | None:
-    """``90``, ``90s``, ``10m``, ``1h30m`` -> seconds."""
-    if text is None or isinstance(text, (int, float)):
-        return None if text is None else float(text)
-    s = str(text).strip().lower()
-    parts = _DURATION_RE.findall(s)
-    if not parts or _DURATION_RE.sub("", s).strip():
-        raise SpecError(f"cannot read duration {text!r}; write it like 90s, 10m or 1h30m")
-    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
-    if seconds <= 0:
-        raise SpecError(f"duration {text!r} must be positive")
-    return seconds
-
+from autofit.specs.units import parse_duration, parse_size  # noqa: F401 - the CLI's parsers
 
 def handle_errors(fn: Callable) -> Callable:
     """Turn autofit's errors into one clear line and a non-zero exit, never a traceback."""
@@ -62,9 +32,18 @@ def handle_errors(fn: Callable) -> Callable:
         except AutofitError as exc:
             raise click.ClickException(str(exc)) from None
         except KeyboardInterrupt:
-            raise click.ClickException("interrupted") from None
+            interrupted()
 
     return wrapper
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
+def interrupted() -> None:
+    """Ctrl-C: one line and exit 130, wherever it landed (the library marked its study)."""
+    click.echo("interrupted: what finished is stored; `autofit search ... --resume` continues a search", err=True)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def _choice(enum) -> click.Choice:
@@ -134,7 +113,9 @@ def measured_options(fn: Callable) -> Callable:
 
 
 def evaluator_options(opts: dict) -> dict:
-    """The measured evaluator's keyword options from ``measured_options`` (unset ones left out)."""
+    """The measured evaluator's keyword options from ``measured_options`` (unset ones left out).
+
+    ``--work-dir`` is checked here, so a bad one is refused before a study is created."""
     out = {}
     if opts.get("steps") is not None:
         out["timed_steps"] = opts["steps"]
@@ -143,7 +124,9 @@ def evaluator_options(opts: dict) -> dict:
     if opts.get("trial_timeout") is not None:
         out["timeout_s"] = parse_duration(opts["trial_timeout"])
     if opts.get("work_dir"):
-        out["work_dir"] = opts["work_dir"]
+        from autofit.evaluators.measured import check_work_dir
+
+        out["work_dir"] = check_work_dir(opts["work_dir"])  # here, before any study is created
     return out
 
 
@@ -159,5 +142,5 @@ def db_option(fn: Callable) -> Callable:
         default=None,
         metavar="URL",
         help="Database: a SQLite file path, sqlite:///PATH or postgresql+psycopg://USER@HOST/DB "
-        "(default: $AUTOFIT_DB, else autofit.db in your data directory).",
+        "(default: $AUTOFIT_DB, an absolute path or a URL, else autofit.db in your data directory).",
     )(fn)

@@ -17,12 +17,12 @@ from autofit.cli.options import db_option, handle_errors, json_option
 @handle_errors
 def report_cmd(study, out, db_url, as_json):
     """Write STUDY's report: report.html (opens offline) and its plots as PNG and SVG."""
-    from autofit.htmlreport import write_report
+    from autofit.htmlreport import default_out_dir, write_report
     from autofit.store import Store
 
     store = Store(db_url)
     rec = store.get_study(study)
-    files = write_report(store, rec.id, out or f"autofit-report/{rec.name}")
+    files = write_report(store, rec.id, out or default_out_dir(rec))
     if as_json:
         click.echo(report.dumps(files.as_dict()))
         return

@@ -34,7 +34,7 @@ from autofit.errors import AutofitError, SpecError
               show_default=True, help="auto: measure on matching local GPUs, else the most faithful estimator.")
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by backend].")
 @click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option("--name", default=None, help="Name of the study (default: generated).")
 @click.option("--resume", is_flag=True, help="Continue the interrupted study of this request (or --name).")
 @click.option("--fresh", is_flag=True, help="Search again even if an identical finished study is stored.")
@@ -88,6 +88,9 @@ def search(cctx: click.Context, **opts):
         else:
             outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
                                  study_name=opts["name"], progress=progress)
+    if opts["name"] and outcome.from_store and outcome.study.name != opts["name"]:
+        click.echo(f"note: study {outcome.study.name} already answers this identical request, so no study named "
+                   f"{opts['name']!r} was created; add --fresh to search again under that name", err=True)
     standing = analysis.standing(outcome.results, ctx)
     exported = []
     if standing.best is not None and opts["out"]:
@@ -108,7 +111,7 @@ def search(cctx: click.Context, **opts):
 
 def _distributed(request, store, opts, progress):
     """--workers 0 (workers elsewhere evaluate; --wait follows) or --parallel K (K local workers)."""
-    from autofit.search import follow, prepare_search, stored_outcome
+    from autofit.search import follow, interrupted_marks, prepare_search, stored_outcome
     from autofit.workers import spawn_local_workers
 
     rec, finished = prepare_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
@@ -116,12 +119,14 @@ def _distributed(request, store, opts, progress):
     if finished:
         return stored_outcome(request, store, rec)
     if opts["parallel"] > 1:
-        with spawn_local_workers(rec.name, store.url, opts["parallel"], request) as alive:
+        # a Ctrl-C stops the local workers first, then marks the study (workers elsewhere: not with --wait)
+        with interrupted_marks(store, rec), spawn_local_workers(rec.name, store.url, opts["parallel"], request) as alive:
             return follow(store, rec.name, progress=progress, alive=alive)
     if not opts["wait"]:
+        name = shlex.quote(rec.name)  # pasted into a shell: a name is never code
         click.echo(f"study {rec.name} created; on each node start:\n"
-                   f"  autofit worker --study {rec.name} --db '{store.masked_url}'\n"
-                   f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {rec.name})", err=True)
+                   f"  autofit worker --study {name} --db {shlex.quote(store.masked_url)}\n"
+                   f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {name})", err=True)
         if opts["as_json"]:
             click.echo(report.dumps({"study": rec.name, "status": "running"}))
         sys.exit(0)
@@ -158,12 +163,19 @@ def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
 
     data = load_study_file(path)
     rename = {"lengths": "lengths_path", "db": "db_url"}
+    params = {p.name: p for p in cctx.command.params}
     for key, value in data.items():
         name = rename.get(key, key)
         if name not in opts:
             continue
         if cctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             continue
+        param = params[name]
+        if not isinstance(param.type, (click.types.StringParamType, click.Path)):  # paths: relative to the file
+            try:  # the option's own type: the same ranges and choices as on the command line
+                value = param.type.convert(value, param, cctx)
+            except click.BadParameter as exc:
+                raise SpecError(f"study file {path!r}: {key!r}: {exc.message}") from None
         opts[name] = value
     if data.get("lengths") and not os.path.isabs(data["lengths"]) and opts["lengths_path"] == data["lengths"]:
         opts["lengths_path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data["lengths"])

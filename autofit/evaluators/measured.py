@@ -101,6 +101,32 @@ class MeasuredOptions:
             raise AutofitError("; ".join(problems))
 
 
+def check_work_dir(path: str | os.PathLike) -> str:
+    """``path`` if it is, or can be created as, a writable directory; else one clear error.
+
+    Checked when the options are read, before a study is created: otherwise the first
+    trial fails on ``mkdir`` with a traceback and leaves its study ``running``. Nothing is
+    created here (the evaluator creates the directory when a trial runs).
+    """
+    given = str(path)
+    p = Path(given).expanduser().absolute()
+    fix = "give --work-dir a directory that exists or can be created"
+    if p.exists() or p.is_symlink():
+        if not p.is_dir():
+            raise AutofitError(f"work directory {given} is {'a broken link' if not p.exists() else 'a file'}; {fix}")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise AutofitError(f"work directory {given} is not writable; {fix}")
+        return given
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AutofitError(f"cannot create work directory {given}: {parent} is a file; {fix}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AutofitError(f"cannot create work directory {given}: {parent} is not writable; {fix}")
+    return given
+
+
 def device_kind(ctx: EvalContext) -> str:
     """``cpu`` for the local-CPU target, else ``cuda`` (no check that this machine has it)."""
     return "cpu" if ctx.cluster.gpu.kind == "cpu" else "cuda"
@@ -350,9 +376,14 @@ class MeasuredEvaluator(Evaluator):
             return TrialResult(plan, Status.FAILED, self.name, capacity_bytes=ctx.capacity_bytes,
                                reason=f"not measurable here: {why}", extra={**base_extra, "launched": False})
 
-        if opts.work_dir:
-            Path(opts.work_dir).mkdir(parents=True, exist_ok=True)
-        trial_dir = Path(tempfile.mkdtemp(prefix=f"trial-{plan.plan_id}-", dir=opts.work_dir))
+        try:
+            if opts.work_dir:
+                Path(opts.work_dir).mkdir(parents=True, exist_ok=True)
+            trial_dir = Path(tempfile.mkdtemp(prefix=f"trial-{plan.plan_id}-", dir=opts.work_dir))
+        except OSError as exc:  # every later trial would fail the same way: stop with one line
+            where = opts.work_dir or tempfile.gettempdir()
+            raise AutofitError(f"cannot create a trial directory in {where}: {exc.strerror or exc}; "
+                               "give --work-dir a writable directory") from None
         try:
             return self._run(plan, ctx, on_step, trial_dir, device, budget, base_extra, t0)
         finally:

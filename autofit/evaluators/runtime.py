@@ -227,12 +227,24 @@ def build_quantized_model(spec: ModelSpec, plan: Plan, device: str | torch.devic
 def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn.Module:
     """LoRA adapters (in the adapter dtype), checkpointing and train mode, as build_model does."""
     lay = layout(plan)
+    if spec.family.task == "causal-lm" and getattr(model, "loss_type", "") is None:
+        # transformers picks the loss from the class name (PreTrainedModel.__init__); GPT-2's
+        # GPT2LMHeadModel has no "ForCausalLM" in it, so every forward with labels logged
+        # "`loss_type=None` was set in the config but it is unrecognized" (modeling_utils,
+        # PreTrainedModel.loss_function) and then used ForCausalLM: name it, same loss, no noise
+        model.loss_type = "ForCausalLM"
     if plan.is_peft:
         from peft import get_peft_model
 
         for p in model.parameters():
             p.requires_grad_(False)
-        model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
+        with warnings.catch_warnings():
+            # peft/tuners/lora/layer.py (dispatch_default) warns that fan_in_fan_out is False
+            # for GPT-2's Conv1D layers and sets it True itself; the adapters are built right
+            # either way, and the exported LoRA config is the user's to keep as it is
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False but the target module is `Conv1D`",
+                                    category=UserWarning)
+            model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
         for _, p in model.named_parameters():
             if p.requires_grad:
                 p.data = p.data.to(lay.adapter_dtype)

@@ -12,6 +12,14 @@ from autofit.specs.gpus import GiB, GPUSpec, resolve_gpu
 # RoCE NIC shared by the node's GPUs is typical of cloud training instances.
 DEFAULT_INTER_NODE_GBPS = 25.0
 
+# The largest GPU counts a request can mean. Per node: 72, the GB200 NVL72 rack, the
+# largest NVLink domain sold, which a user may well describe as one node (HGX/DGX hosts
+# carry 8). Nodes: 65,536, beyond the largest training clusters built (~200k GPUs, some
+# 25k 8-GPU hosts). A count past these is a typo; taken at its word it sizes a global
+# batch of that many sequences and plans nothing useful.
+MAX_GPUS_PER_NODE = 72
+MAX_NODES = 65_536
+
 _CLUSTER_RE = re.compile(r"^\s*(?:(?P<count>[+-]?\d+)\s*[xX*]\s*)?(?P<gpu>[A-Za-z][\w\-. ]*?)\s*$")
 
 
@@ -26,8 +34,15 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
             raise SpecError(f"GPU count must be at least 1, got {self.gpus_per_node}")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise SpecError(
+                f"{self.gpus_per_node:,} GPUs per node is more than any node holds (at most {MAX_GPUS_PER_NODE}, "
+                "a GB200 NVL72); give the GPUs of one node in --gpus and the node count in --nodes"
+            )
         if self.nodes < 1:
             raise SpecError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.nodes > MAX_NODES:
+            raise SpecError(f"--nodes {self.nodes:,} is more than any cluster has; give at most {MAX_NODES:,}")
         if self.host_memory_bytes < 0:
             raise SpecError("--host-mem must be positive")
         if self.host_memory_bytes == 0:
@@ -81,6 +96,11 @@ def parse_cluster(
     count = int(m.group("count")) if m.group("count") is not None else 1
     if count < 1:
         raise SpecError(f"--gpus {text!r}: the GPU count must be at least 1")
+    if count > MAX_GPUS_PER_NODE:
+        raise SpecError(
+            f"--gpus {text!r}: {count:,} GPUs per node is more than any node holds (at most {MAX_GPUS_PER_NODE}, "
+            "a GB200 NVL72); give the GPUs of one node here and the node count in --nodes"
+        )
     try:
         gpu = resolve_gpu(m.group("gpu"))
     except SpecError:

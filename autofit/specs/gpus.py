@@ -146,6 +146,11 @@ _INDEX = {_norm(k): k for k in GPUS}
 _INDEX.update({_norm(k): v for k, v in _ALIASES.items()})
 
 
+def physical_memory_bytes() -> int:
+    """This machine's RAM, as the kernel reports it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def cpu_device(memory_bytes: int | None = None) -> GPUSpec:
     """The local CPU as a training device (measured runs on this machine, tests).
 
@@ -154,7 +159,7 @@ def cpu_device(memory_bytes: int | None = None) -> GPUSpec:
     figures.
     """
     if memory_bytes is None:
-        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_bytes = physical_memory_bytes()
     cores = os.cpu_count() or 1
     per_core = 2.5e9 * 32 / 1e12  # TFLOP/s: 2.5 GHz × 2 FMA × 16 fp32 lanes
     return GPUSpec(

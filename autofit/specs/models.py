@@ -13,10 +13,12 @@ Imports without torch; ``to_hf_config`` imports transformers lazily.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -122,6 +124,25 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Upper bounds of the size fields, several times the largest published config of each
+# (Llama-3.1-405B: hidden 16,384, 126 layers, 128 heads, intermediate 53,248; Gemma: a
+# 256,000 vocabulary; Llama-4 Scout: 10M positions). A number beyond them is a typo, and
+# taken at its word it makes the estimators build or size a model that never finishes.
+MAX_FIELD = {
+    "hidden_size": 2**17,
+    "num_layers": 2**10,
+    "num_heads": 2**12,
+    "num_kv_heads": 2**12,
+    "head_dim": 2**12,
+    "intermediate_size": 2**20,
+    "vocab_size": 2**22,
+    "max_position_embeddings": 2**25,
+}
+# transformers' names of the fields where ModelSpec's differ
+_HF_NAME = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The architecture fields that decide training memory and time."""
@@ -144,23 +165,18 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.model_type not in FAMILIES:
+        if not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
             problems.append(
                 f"model type {self.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
             )
-        for name in (
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "max_position_embeddings",
-        ):
+        for name, most in MAX_FIELD.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+            elif value > most:
+                problems.append(f"{name} {value:,} is beyond the {most:,} any real model has")
+        if not isinstance(self.tie_word_embeddings, bool):
+            problems.append(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if not problems and self.num_heads % self.num_kv_heads:
             problems.append(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -330,49 +346,127 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: Any, name: str | None = None, source: str = "") -> "ModelSpec":
-        """Read the fields from a transformers config object (or its ``to_dict()``)."""
+        """Read the fields from a transformers config object (or its ``to_dict()``).
+
+        A config is user input: every field is type-checked here, naming the file and the
+        field, before any arithmetic on it (a string, list, fraction, infinity or zero would
+        otherwise crash or silently become another model).
+        """
         d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
+        where = f"model config {source or name or 'given'!r}"
         model_type = d.get("model_type")
+        if model_type is None:
+            raise SpecError(
+                f"{where} lacks 'model_type' (the transformers model type, e.g. \"llama\"); add it to the config"
+            )
+        if not isinstance(model_type, str):
+            raise SpecError(
+                f"{where}: 'model_type' must be a string such as \"llama\", got {_shown(model_type)} "
+                f"({_json_type(model_type)}); fix it in the config"
+            )
         if model_type not in FAMILIES:
             raise SpecError(
-                f"model type {model_type!r} is not supported "
+                f"{where}: model type {model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(FAMILIES))})"
             )
         f = FAMILIES[model_type]
 
-        def get(key: str, default: Any = None) -> Any:
-            return d.get(f.keys.get(key, key), default)
+        def key(k: str) -> str:
+            return f.keys.get(k, k)
 
         missing = [
-            f.keys.get(k, k)
+            key(k)
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-            if get(k) is None
+            if d.get(key(k)) is None
         ]
         if missing:
             raise SpecError(
                 f"config of {name or source or model_type!r} lacks the fields {', '.join(missing)}"
             )
-        h, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-        inter = get("intermediate_size")
-        if inter is None:  # gpt2: n_inner None means 4*h
-            inter = 4 * h
-        head_dim = d.get("head_dim") or h // heads
+
+        limits = {_HF_NAME.get(k, k): v for k, v in MAX_FIELD.items()}
+
+        def size(k: str, default: int | None = None) -> int:
+            """A positive integer field; null (or absent) takes ``default`` where there is one."""
+            value = d.get(key(k))
+            if value is None and default is not None:
+                return default
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 4096.0 is 4096
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    got = repr(value)
+                else:
+                    got = f"{_shown(value)} ({_json_type(value)})"
+                fix = ("write it without quotes in the config" if isinstance(value, str) and value.strip().isdigit()
+                       else "fix it in the config")
+                raise SpecError(f"{where}: {key(k)!r} must be a positive integer, got {got}; {fix}")
+            if value > limits[k]:
+                raise SpecError(f"{where}: {key(k)!r} is {value:,}, beyond the {limits[k]:,} any real model has; "
+                                "fix it in the config")
+            return value
+
+        h, heads = size("hidden_size"), size("num_attention_heads")
+        layers, vocab = size("num_hidden_layers"), size("vocab_size")
+        inter = size("intermediate_size", 4 * h)  # gpt2: n_inner null means 4*h
+        kv_heads = size("num_key_value_heads", heads)
+        if d.get("head_dim") is None and h < heads:
+            raise SpecError(
+                f"{where}: {key('num_attention_heads')!r} ({heads}) exceeds {key('hidden_size')!r} ({h}); "
+                "fix it in the config or give head_dim"
+            )
+        head_dim = size("head_dim", h // heads)
+        max_pos = size("max_position_embeddings", 2048)
+        tie = d.get("tie_word_embeddings")
+        if tie is None:
+            tie = model_type in ("gpt2", "bert")
+        if not isinstance(tie, bool):
+            raise SpecError(
+                f"{where}: 'tie_word_embeddings' must be true or false, got {_shown(tie)} ({_json_type(tie)}); "
+                "fix it in the config"
+            )
         extra: dict[str, Any] = {}
         return cls(
             name=name or source or model_type,
             model_type=model_type,
             hidden_size=h,
-            num_layers=int(get("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(inter),
-            vocab_size=int(get("vocab_size")),
-            max_position_embeddings=int(get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gpt2", "bert"))),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=tie,
             source=source,
             hf_extra=tuple(sorted(extra.items())),
         )
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, as the user wrote it in config.json."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    """A config value as JSON writes it (``true``, ``"4096"``), cut short: one line, whatever the file holds."""
+    try:
+        text = json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # --------------------------------------------------------------------------------------
@@ -464,8 +558,17 @@ def resolve_model(ref: str) -> ModelSpec:
         if not os.path.isfile(path):
             raise SpecError(f"{key!r} is a directory without a config.json")
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
+        except UnicodeDecodeError as exc:
+            raise SpecError(
+                f"model config {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                "pass the model's config.json"
+            ) from None
+        except RecursionError:
+            raise SpecError(
+                f"model config {path!r} is nested too deeply to be a model config; pass the model's config.json"
+            ) from None
         except (OSError, json.JSONDecodeError) as exc:
             raise SpecError(f"cannot read model config {path!r}: {exc}") from None
         if not isinstance(data, dict):
@@ -482,14 +585,95 @@ def resolve_model(ref: str) -> ModelSpec:
 
 
 def _from_hub(hub_id: str) -> ModelSpec:
+    """The architecture of a hub id, from its config.json (see :func:`_hub_config_file`)."""
+    path = _hub_config_file(hub_id)
     try:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(hub_id, trust_remote_code=False)
-    except Exception as exc:  # noqa: BLE001 - any failure of the hub is the user's to fix
+        cfg = AutoConfig.from_pretrained(os.path.dirname(path), trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot read is the user's to fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecError(
-            f"cannot fetch the config of hub id {hub_id!r} ({first[:160]}); when offline, "
+            f"cannot read the config of hub id {hub_id!r} ({first[:160]}); "
             "pass a local config.json or a registered name (`autofit models`)"
         ) from None
     return ModelSpec.from_hf_config(cfg, name=hub_id, source=hub_id)
+
+
+def _hub_config_file(hub_id: str) -> str:
+    """The local path of a hub id's config.json: from the cache, or fetched with one request.
+
+    ``hf_hub_download`` alone retries a failed connection five times with backoff and logs
+    each try (23 s and a dozen lines when huggingface.co does not resolve). So: the cache
+    answers in offline mode (``HF_HUB_OFFLINE``); otherwise one metadata request, without
+    retries and within ``HF_HUB_ETAG_TIMEOUT``, says whether the hub is reachable before
+    anything is downloaded; when it is not, a cached config still serves, as in transformers.
+    """
+    import huggingface_hub as hf
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    head = f"cannot fetch the config of hub id {hub_id!r}"
+    local = "pass a local config.json or directory, or a registered name (`autofit models`)"
+
+    def unreachable(why: str) -> SpecError:
+        return SpecError(f"{head}: it is not a registered model, not a local path, and the hub is unreachable "
+                         f"({why}); {local}")
+
+    with _quiet_logger("huggingface_hub"):
+        try:
+            cached = hf.try_to_load_from_cache(hub_id, "config.json")
+        except HFValidationError:
+            raise SpecError(f"unknown model {hub_id!r}: not a registered model, not a local path, and not a valid "
+                            f"hub id (org/name); {local}") from None
+        cached = cached if isinstance(cached, str) else None
+        if hf.is_offline_mode():
+            if cached:
+                return cached
+            raise unreachable("offline mode: HF_HUB_OFFLINE is set, and the config is not cached")
+        try:
+            hf.get_hf_file_metadata(hf.hf_hub_url(hub_id, "config.json"))  # one request, no retries
+        except HfHubHTTPError as exc:  # the hub answered: the id, the file or the access is wrong
+            if cached:
+                return cached
+            if isinstance(exc, GatedRepoError):
+                why = "a gated repository: accept its terms on huggingface.co and log in with `hf auth login`"
+            elif isinstance(exc, RepositoryNotFoundError):
+                why = "no such model on the hub, or a private one: check the id, or log in with `hf auth login`"
+            elif isinstance(exc, (RemoteEntryNotFoundError, RevisionNotFoundError)):
+                why = "the repository has no config.json"
+            else:
+                status = getattr(getattr(exc, "response", None), "status_code", "?")
+                why = f"the hub answered HTTP {status}"
+            raise SpecError(f"{head}: {why}; or {local}") from None
+        except Exception as exc:  # noqa: BLE001 - DNS, refused connection, timeout, proxy: out of reach
+            if cached:
+                return cached
+            raise unreachable(_first_line(exc)) from None
+        try:
+            return hf.hf_hub_download(hub_id, "config.json")
+        except Exception as exc:  # noqa: BLE001 - the connection dropped between the two requests
+            raise unreachable(_first_line(exc)) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:160]) if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Hold a library's warnings back while autofit reports the outcome in one line of its own."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -16,6 +16,12 @@ from typing import Iterable
 
 from autofit.errors import SpecError
 
+# The longest sequence a request may ask for: 2**20 tokens, the longest context
+# windows released for fine-tuning (Qwen2.5-1M, the 1M-token Llama-3 variants) and 8x
+# the longest of the registered families (131,072). The simulator builds real token
+# tensors of micro-batch x seq-len, so a typo like 99999999999 would allocate 800 GB.
+MAX_SEQ_LEN = 2**20
+
 # Without a tokenizer we count tokens as characters / 4, the usual figure for English
 # text under BPE vocabularies; the workload records that it is an approximation.
 CHARS_PER_TOKEN = 4.0
@@ -94,6 +100,11 @@ class Workload:
     def __post_init__(self) -> None:
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise SpecError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise SpecError(
+                f"--seq-len {self.seq_len:,} is beyond the {MAX_SEQ_LEN:,} tokens autofit plans for "
+                "(the longest context windows released); give a shorter --seq-len"
+            )
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise SpecError(f"--global-batch must be a positive integer, got {self.global_batch!r}")
         if self.lengths is not None:

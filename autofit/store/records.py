@@ -19,7 +19,7 @@ class StudyStatus(str, Enum):
     RUNNING = "running"
     FINISHED = "finished"
     INTERRUPTED = "interrupted"  # stopped by Ctrl-C or a budget; can be resumed
-    FAILED = "failed"
+    FAILED = "failed"  # stopped by an error; can be resumed once it is fixed
 
     def __str__(self) -> str:
         return self.value

@@ -71,6 +71,21 @@ def autofit_tables(connection: "Connection") -> list[str]:
     )
 
 
+# Optuna's RDB storage tables (optuna/storages/_rdb/models.py, plus its Alembic version
+# table): they live beside autofit's by design. A test checks this list against Optuna's models.
+OPTUNA_TABLES = frozenset({
+    "studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials",
+    "trial_user_attributes", "trial_system_attributes", "trial_params", "trial_values",
+    "trial_intermediate_values", "trial_heartbeats", "version_info", "alembic_version",
+})
+
+
+def foreign_tables(connection: "Connection") -> list[str]:
+    """Tables that are neither autofit's nor Optuna's: another application's database."""
+    return sorted(t for t in inspect(connection).get_table_names()
+                  if not t.startswith(TABLE_PREFIX) and t not in OPTUNA_TABLES)
+
+
 def upgrade(connection: "Connection", target: str = "head", script_location: str = SCRIPT_LOCATION) -> None:
     """Migrate on ``connection`` in one transaction, holding a lock that serializes migrators.
 

@@ -61,8 +61,33 @@ def default_path() -> str:
 
 
 def _mask_raw(text: str) -> str:
-    """Hide the password of a URL SQLAlchemy could not parse."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", text)
+    """Hide the password of a URL SQLAlchemy could not parse.
+
+    Up to the last ``@`` before any query: a password may hold ``/`` or ``@`` unencoded, and
+    hiding a little of the host is better than showing part of a password.
+    """
+    return re.sub(r"(://[^:/@?]*:)[^?]*@", r"\1***@", text)
+
+
+def _url_problem(raw: str) -> str:
+    """What is wrong with the host and port of a URL that does not parse, in words."""
+    hostport = re.split(r"[/?]", raw.split("://", 1)[-1].rpartition("@")[2], maxsplit=1)[0]
+    if hostport.startswith("[") and "]" not in hostport:
+        return "its IPv6 host lacks the closing ']' (write USER@[::1]:5432/DB)"
+    if hostport.count(":") > 1 and not hostport.startswith("["):
+        return "an IPv6 host goes in brackets (write USER@[::1]:5432/DB)"
+    port = hostport.rpartition("]")[2].partition(":")[2]
+    if not port.isdigit():
+        return f"its port {port!r} is not a number"
+    return "it is malformed"
+
+
+def _env_path_error(raw: str, path: str) -> StoreError:
+    return StoreError(
+        f"{ENV_VAR}={raw!r} names a relative path, so every directory would get its own database; "
+        f"set {ENV_VAR} to an absolute path (e.g. {os.path.abspath(os.path.expanduser(path))}) or a "
+        "postgresql+psycopg:// URL, or pass --db"
+    )
 
 
 def _is_memory(url: URL) -> bool:
@@ -73,14 +98,27 @@ def resolve_url(url: str | None = None) -> URL:
     """Explicit ``url`` > ``$AUTOFIT_DB`` > the default SQLite file; a bare path is a SQLite file.
 
     The directory of a SQLite file is created; a PostgreSQL URL without a driver gets psycopg 3.
+    ``$AUTOFIT_DB`` is global (a shell profile, a container), so a SQLite path there must be
+    absolute: a relative one would quietly create a new database in whatever directory a
+    command runs from (``AUTOFIT_DB=garbage`` made a file named ``garbage``).
     """
-    raw = url or os.environ.get(ENV_VAR) or default_path()
+    env = os.environ.get(ENV_VAR)
+    from_env = not url and bool(env)
+    raw = url or env or default_path()
     if "://" not in raw:
+        if from_env and not os.path.isabs(os.path.expanduser(raw)):
+            raise _env_path_error(raw, raw)
         raw = "sqlite:///" + os.path.abspath(os.path.expanduser(raw))
     try:
         parsed = make_url(raw)
     except ArgumentError:
         raise StoreError(f"cannot read database URL {_mask_raw(raw)!r}; {_URL_HELP}") from None
+    except ValueError:  # SQLAlchemy's int() of a port it could not read
+        raise StoreError(
+            f"cannot read database URL {_mask_raw(raw)!r}: {_url_problem(raw)}; {_URL_HELP}"
+        ) from None
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise StoreError(f"database URL {_masked(parsed)} has port {parsed.port}, outside 1-65535; {_URL_HELP}")
     if parsed.drivername in ("postgres", "postgresql"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     try:
@@ -90,6 +128,8 @@ def resolve_url(url: str | None = None) -> URL:
             f"unknown database URL scheme {parsed.drivername!r} in {_masked(parsed)}; {_URL_HELP}"
         ) from None
     if parsed.get_backend_name() == "sqlite" and not _is_memory(parsed) and not parsed.query.get("uri"):
+        if from_env and not os.path.isabs(os.path.expanduser(parsed.database)):
+            raise _env_path_error(raw, parsed.database)
         path = os.path.abspath(os.path.expanduser(parsed.database))
         parsed = parsed.set(database=path)
         if os.path.isdir(path):
@@ -171,10 +211,37 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _switch_to_wal(cursor)
         cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
+
+
+def _switch_to_wal(cursor: Any) -> None:
+    """``PRAGMA journal_mode=WAL``, waiting like any write where the database is busy.
+
+    On a file not yet in WAL mode (a new one) the switch takes the write lock from inside
+    the read transaction that reads the header; where another connection holds or wants
+    that lock, SQLite answers SQLITE_BUSY at once instead of calling the busy handler (it
+    would deadlock: sqlite.org/c3ref/busy_handler.html), so busy_timeout does not apply and
+    two processes opening a new file at once failed one of them with "database is locked".
+    The statement failed whole (its read transaction is gone), so trying again is safe; once
+    the file is in WAL mode the pragma is a read and no longer contends.
+    """
+    import sqlite3
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = any(w in str(exc).lower() for w in ("locked", "busy"))
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 # -- request identity ---------------------------------------------------------------------
@@ -229,8 +296,32 @@ def _json_safe(value: Any) -> Any:
     return str(getattr(value, "value", value))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "study"
+def _slug(text: str, limit: int = 40) -> str:
+    """A piece of a generated study name: safe characters only, never leading with '.' or '-'."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text)[:limit].strip("-.") or "study"
+
+
+STUDY_NAME_MAX = 100
+_STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_study_name(name: str) -> str:
+    """``name`` stripped, or a StoreError saying what a name may hold.
+
+    A name becomes a directory (``autofit report`` writes ``autofit-report/NAME``) and a word
+    in printed shell commands, so it is a safe path component: letters, digits, ``.``, ``_``,
+    ``-``, not leading with ``.`` or ``-`` (no ``..``, no hidden files, no options), and not
+    only digits (those look a study up by id).
+    """
+    name = name.strip()
+    if _STUDY_NAME.fullmatch(name) and len(name) <= STUDY_NAME_MAX and not name.isdigit():
+        return name
+    hint = _slug(name, STUDY_NAME_MAX)
+    example = f" such as {hint!r}" if _STUDY_NAME.fullmatch(hint) and not hint.isdigit() else ""
+    raise StoreError(
+        f"study name {name!r} is not allowed: use 1-{STUDY_NAME_MAX} letters, digits, '.', '_' or '-', "
+        f"starting with a letter or digit and not only digits{example}"
+    )
 
 
 def _utc(t: datetime.datetime | None) -> datetime.datetime | None:
@@ -470,6 +561,8 @@ class Store:
         before = self.current_revision()
         if before is not None and before not in self.revisions():
             raise self._newer_error(before)
+        if before is None:
+            self._refuse_foreign()
         try:
             with self._connection() as conn:
                 try:
@@ -485,6 +578,28 @@ class Store:
         except CommandError as exc:
             raise StoreError(f"cannot migrate {self.masked_url} to {target}: {exc}") from None
         return before, self.current_revision()
+
+    def _refuse_foreign(self) -> None:
+        """Refuse to create autofit's (and Optuna's) tables in another application's database.
+
+        Applies to PostgreSQL as well: Optuna's tables are unprefixed (``studies``,
+        ``trials``, ``alembic_version``) and would mix with, or clash with, the other
+        application's in the same schema, and a team creates a dedicated database at the
+        cost of one ``createdb``. A database with only Optuna's tables is accepted (autofit
+        shares it by design), and so is one that already holds autofit's tables.
+        """
+        with self._connection() as conn:
+            if schema.autofit_tables(conn):
+                return
+            foreign = schema.foreign_tables(conn)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            fix = ("a new file (--db NEW.db)" if self.dialect == "sqlite"
+                   else "an empty database (createdb autofit; --db .../autofit)")
+            raise StoreError(
+                f"database {self.masked_url} holds another application's tables ({shown}) and none of autofit's; "
+                f"autofit will not add its tables to it: give {fix}"
+            )
 
     def schema_diff(self) -> list[Any]:
         """Differences between the ORM classes and this database's autofit tables."""
@@ -572,9 +687,7 @@ class Store:
         ``request_key`` matches what was really run.
         """
         if name is not None:
-            name = name.strip()
-            if not name or len(name) > 255 or name.isdigit():
-                raise StoreError(f"study name {name!r} must be 1-255 characters and not only digits")
+            name = check_study_name(name)
         key = request_key(ctx, backend=backend, allowed=allowed)
         with self.session_scope() as s:
             if name is None:
@@ -668,12 +781,14 @@ class Store:
 
     @retrying
     def find_resumable_study(self, request_key: str) -> StudyRecord | None:
-        """The latest interrupted (or abandoned running) study of an identical request."""
+        """The latest interrupted, failed (stopped by an error) or abandoned running study of
+        an identical request."""
         with self.session_scope() as s:
             row = s.scalars(
                 select(StudyModel)
                 .where(StudyModel.request_key == request_key,
-                       StudyModel.status.in_([StudyStatus.INTERRUPTED.value, StudyStatus.RUNNING.value]))
+                       StudyModel.status.in_([StudyStatus.INTERRUPTED.value, StudyStatus.FAILED.value,
+                                              StudyStatus.RUNNING.value]))
                 .order_by(StudyModel.updated_at.desc(), StudyModel.id.desc())
                 .limit(1)
             ).one_or_none()

@@ -76,3 +76,26 @@ def test_show_marks_the_winner_and_explains_the_losses(tight_study):
     assert f"autofit report {tight_study.name}" in text
     shown = json.loads(run("show", tight_study.name, "--db", tight_study.url, "--json").stdout)
     assert shown["standing"]["best"]["plan_id"] == tight_study.outcome.best.plan.plan_id
+
+
+def test_a_stored_name_that_is_a_path_never_puts_the_report_outside_autofit_report(tmp_path, monkeypatch):
+    """Names are checked at creation, but an older database may hold any name: the default
+    report directory must stay under ./autofit-report whatever the stored name is."""
+    from sqlalchemy import update
+
+    from autofit.store import Store
+    from autofit.store.models import StudyModel
+
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    searched = json.loads(run("search", *ARGS, "--db", db, "--out", "", "--json").stdout)
+    with Store(db) as store:
+        study_id = store.get_study(searched["study"]).id
+        with store.session_scope() as s:  # what a database from before the name check may hold
+            s.execute(update(StudyModel).where(StudyModel.id == study_id).values(name="../../escape"))
+    work = tmp_path / "deep" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    data = json.loads(run("report", "../../escape", "--db", db, "--json").stdout)
+    assert data["html"] == f"autofit-report/study-{study_id}/report.html"
+    assert (work / data["html"]).exists()
+    assert list(tmp_path.rglob("escape")) == []  # nothing beside or above the working directory

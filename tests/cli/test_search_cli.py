@@ -111,3 +111,42 @@ def test_passwords_never_appear_in_output(tmp_path, pg_url):
     for out in (r.output, h.output, bad.output):
         assert "s3cr3t-pw" not in out
     assert "***" in r.output  # the masked URL is shown (trust auth ignores the password)
+
+
+def test_a_name_an_identical_finished_study_answers_instead_is_not_silent(tmp_path):
+    """--name with an identical request already answered: the answer comes from the store and
+    a note says the name was not used (before: silently ignored)."""
+    db = f"sqlite:///{tmp_path / 'n.db'}"
+    first = search(db, "")
+    r = run("search", *ARGS, "--db", db, "--out", "", "--json", "--name", "mine")
+    assert json.loads(r.stdout)["study"] == first["study"]
+    assert f"study {first['study']} already answers" in r.stderr and "'mine'" in r.stderr
+    assert "--fresh" in r.stderr
+    fresh = json.loads(run("search", *ARGS, "--db", db, "--out", "", "--json", "--name", "mine", "--fresh").stdout)
+    assert fresh["study"] == "mine"
+
+
+def test_the_worker_hint_is_shell_quoted(tmp_path):
+    """The printed `autofit worker` line is pasted into a shell: the database path and the
+    study name are one word each there, and `$(...)` in them is never run. New names are
+    refused unless safe, but a study of an older database can still be resumed by its name."""
+    import shlex
+
+    from sqlalchemy import text
+
+    from autofit.store import Store
+    from autofit.store.store import resolve_url
+
+    path = tmp_path / "it's $(touch pwned).db"
+    created = run("search", *ARGS, "--db", str(path), "--out", "", "--workers", "0", "--json")
+    bad = "a b;$(touch pwned)"
+    with Store(str(path)) as store:
+        with store.engine.begin() as conn:
+            conn.execute(text("UPDATE autofit_studies SET name = :bad WHERE name = :name"),
+                         {"bad": bad, "name": json.loads(created.stdout)["study"]})
+    r = run("search", *ARGS, "--db", str(path), "--out", "", "--workers", "0", "--resume", "--name", bad)
+    line = next(ln for ln in r.stderr.splitlines() if "autofit worker" in ln)
+    argv = shlex.split(line)
+    assert argv[argv.index("--study") + 1] == bad
+    assert resolve_url(argv[argv.index("--db") + 1]).database == str(path)
+    assert not (tmp_path / "pwned").exists()

@@ -299,3 +299,30 @@ def test_the_pruner_stops_a_running_trial_through_the_search_objective(tmp_path)
     assert row.evaluator == "measured" and row.extra["last_step"]["step"] == 0
     assert "predicted" in row.extra and row.extra["predicted"]["evaluator"] == "analytic"
     assert not any(alive(r["pid"]) for r in row.extra["ranks"])
+
+
+def test_the_work_dir_is_checked_without_creating_anything(tmp_path):
+    from autofit.evaluators.measured import check_work_dir
+
+    (tmp_path / "afile").write_text("x")
+    assert check_work_dir(tmp_path) == str(tmp_path)
+    assert check_work_dir(tmp_path / "new" / "deeper") == str(tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists()  # the evaluator creates it when a trial runs
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for path, fragment in [
+        (tmp_path / "afile", f"work directory {tmp_path}/afile is a file"),
+        (tmp_path / "afile" / "sub" / "x", f"cannot create work directory {tmp_path}/afile/sub/x: {tmp_path}/afile is a file"),
+        (tmp_path / "dangling", "is a broken link"),
+    ]:
+        with pytest.raises(AutofitError) as err:
+            check_work_dir(path)
+        assert fragment in str(err.value) and "give --work-dir a directory" in str(err.value)
+
+
+def test_a_work_dir_that_cannot_be_created_stops_with_one_line_not_a_traceback(tmp_path):
+    """A work dir that goes bad after the options were checked (here: never checked) stops
+    the run with an AutofitError rather than an OSError from mkdir."""
+    (tmp_path / "afile").write_text("x")
+    ev = MeasuredEvaluator(work_dir=tmp_path / "afile" / "sub", env=ENV)
+    with pytest.raises(AutofitError, match=r"cannot create a trial directory in .*/afile/sub: Not a directory"):
+        ev.evaluate(Plan(precision="32-true"), cpu_ctx())

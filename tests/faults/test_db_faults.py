@@ -72,3 +72,36 @@ def test_files_follow_the_umask(tmp_path):
     for f in [db, *(tmp_path / "out").iterdir()]:
         mode = stat.S_IMODE(f.stat().st_mode)
         assert not mode & stat.S_IWOTH and not mode & stat.S_IROTH, (f, oct(mode))
+
+
+def test_a_relative_autofit_db_is_refused_and_creates_nothing(tmp_path, monkeypatch):
+    """AUTOFIT_DB=garbage used to create a SQLite file named ``garbage`` in whatever directory
+    a command ran from; the variable is global, so it must be absolute or a URL."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["history"], env={"AUTOFIT_DB": "garbage"})
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "AUTOFIT_DB='garbage' names a relative path" in lines[0], r.output
+    assert f"absolute path (e.g. {tmp_path}/garbage)" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+    r = CliRunner().invoke(cli, ["history", "--db", "here.db"], env={"AUTOFIT_DB": "garbage"})  # --db wins
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("here.db-")) == ["here.db"]
+
+
+def test_a_bad_work_dir_is_refused_before_a_study_exists(tmp_path):
+    from tests.conftest import tiny
+
+    tiny("gpt2").to_hf_config().save_pretrained(tmp_path / "tiny")
+    (tmp_path / "afile").write_text("x")
+    db = f"sqlite:///{tmp_path / 'w.db'}"
+    Store(db).close()
+    r = CliRunner().invoke(cli, ["search", "-m", str(tmp_path / "tiny"), "-g", "1xcpu", "--backend", "measured",
+                                 "--trials", "2", "--seq-len", "64", "--global-batch", "2", "--out", "",
+                                 "--work-dir", str(tmp_path / "afile" / "sub"), "--db", db])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert r.output.strip().splitlines() == [
+        f"Error: cannot create work directory {tmp_path}/afile/sub: {tmp_path}/afile is a file; "
+        "give --work-dir a directory that exists or can be created"]
+    with Store(db) as store:
+        assert store.list_studies() == []  # no study left `running`

@@ -57,3 +57,46 @@ def test_bad_length_files(tmp_path):
     bad.write_text('{"foo": 1}\n')
     with pytest.raises(SpecError, match="needs a 'text'"):
         load_lengths(str(bad))
+
+
+def test_gpu_and_node_counts_have_a_ceiling():
+    from autofit.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
+
+    assert parse_cluster(f"{MAX_GPUS_PER_NODE}xH100").gpus_per_node == MAX_GPUS_PER_NODE
+    for text in (f"{MAX_GPUS_PER_NODE + 1}xH100", "99999999999999999999xT4"):
+        with pytest.raises(SpecError, match="more than any node holds"):
+            parse_cluster(text)
+    assert parse_cluster("8xH100", nodes=MAX_NODES).world_size == 8 * MAX_NODES
+    with pytest.raises(SpecError, match="--nodes 65,537 is more than any cluster has"):
+        parse_cluster("8xH100", nodes=MAX_NODES + 1)
+    gpu = parse_cluster("1xT4").gpu
+    with pytest.raises(SpecError, match="more than any node holds"):
+        ClusterSpec(gpu=gpu, gpus_per_node=10**6)
+
+
+def test_seq_len_has_a_ceiling():
+    from autofit.specs.workload import MAX_SEQ_LEN
+
+    assert Workload(seq_len=MAX_SEQ_LEN, global_batch=1).seq_len == 2**20
+    with pytest.raises(SpecError, match="--seq-len 99,999,999,999 is beyond the 1,048,576 tokens"):
+        Workload(seq_len=99_999_999_999, global_batch=1)
+
+
+def test_cpu_budget_cannot_exceed_the_machine(monkeypatch):
+    from autofit.request import with_cpu_budget
+    from autofit.specs import gpus
+
+    monkeypatch.setattr(gpus, "physical_memory_bytes", lambda: 8 * gpus.GiB)
+    assert with_cpu_budget(parse_cluster("1xcpu"), "8GiB").gpu.memory_bytes == 8 * gpus.GiB
+    assert with_cpu_budget(parse_cluster("2xcpu"), "4GiB").gpu.memory_bytes == 4 * gpus.GiB
+    with pytest.raises(SpecError, match=r"--cpu-mem-budget 1TB exceeds this machine's 8.0 GiB of physical memory; "
+                                        r"give at most 8.0GiB"):
+        with_cpu_budget(parse_cluster("1xcpu"), "1TB")
+    with pytest.raises(SpecError, match="for each of 2 CPU ranks exceeds this machine's 8.0 GiB.*at most 4.0GiB"):
+        with_cpu_budget(parse_cluster("2xcpu"), "5GiB")
+
+
+def test_cpu_device_defaults_to_the_physical_memory():
+    from autofit.specs.gpus import cpu_device, physical_memory_bytes
+
+    assert cpu_device().memory_bytes == physical_memory_bytes() > 0

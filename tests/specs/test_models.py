@@ -98,3 +98,164 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
 def test_variant_rederives_the_count(tiny_model):
     t = tiny_model("mistral-7b")
     assert t.num_layers == 2 and t.n_params == t.derived_param_count() < 10**7
+
+
+# -- a config.json is user input: wrong types are refused with the field and the file named --
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "intermediate_size": 704, "vocab_size": 1000,
+              "max_position_embeddings": 2048}
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("hidden_size", "4096",
+     "'hidden_size' must be a positive integer, got \"4096\" (a string); write it without quotes"),
+    ("hidden_size", [4096], "'hidden_size' must be a positive integer, got [4096] (a list)"),
+    ("hidden_size", 4096.5, "'hidden_size' must be a positive integer, got 4096.5"),
+    ("hidden_size", float("inf"), "'hidden_size' must be a positive integer, got inf"),
+    ("hidden_size", 2.0**60, "'hidden_size' is 1,152,921,504,606,846,976, beyond the 131,072"),
+    ("num_attention_heads", 0, "'num_attention_heads' must be a positive integer, got 0"),
+    ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer, got true (a boolean)"),
+    ("vocab_size", -5, "'vocab_size' must be a positive integer, got -5"),
+    ("max_position_embeddings", "8k", "'max_position_embeddings' must be a positive integer"),
+    ("max_position_embeddings", 0, "'max_position_embeddings' must be a positive integer, got 0"),
+    ("intermediate_size", {"v": 1}, "'intermediate_size' must be a positive integer, got {\"v\": 1} (an object)"),
+    ("num_key_value_heads", "2", "'num_key_value_heads' must be a positive integer"),
+    ("num_key_value_heads", 0, "'num_key_value_heads' must be a positive integer, got 0"),
+    ("head_dim", 0, "'head_dim' must be a positive integer, got 0"),
+    ("head_dim", [32], "'head_dim' must be a positive integer"),
+    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false, got \"false\" (a string)"),
+    ("tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false"),
+    ("model_type", ["llama"], "'model_type' must be a string such as \"llama\", got [\"llama\"] (a list)"),
+    ("model_type", None, "lacks 'model_type'"),
+])
+def test_config_fields_of_the_wrong_type_are_named_with_the_file(tmp_path, field, value, fragment):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, field: value}))
+    with pytest.raises(SpecError) as err:
+        resolve_model(str(path))
+    message = str(err.value)
+    assert fragment in message and str(path) in message and "\n" not in message
+
+
+def test_gpt2_fields_are_named_as_the_file_names_them(tmp_path):
+    cfg = MODELS["gpt2"].to_hf_config().to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "n_head": "12"}))
+    with pytest.raises(SpecError, match="'n_head' must be a positive integer"):
+        resolve_model(str(path))
+
+
+def test_more_heads_than_hidden_units_without_head_dim(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "hidden_size": 4}))
+    with pytest.raises(SpecError, match=r"'num_attention_heads' \(8\) exceeds 'hidden_size' \(4\)"):
+        resolve_model(str(path))
+
+
+def test_whole_floats_and_nulls_are_read_as_the_numbers_they_are(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256.0, "num_key_value_heads": None, "head_dim": None,
+                                "tie_word_embeddings": None}))
+    spec = resolve_model(str(path))
+    assert spec.hidden_size == 256 and type(spec.hidden_size) is int
+    assert spec.num_kv_heads == 8 and spec.head_dim == 32 and spec.tie_word_embeddings is False
+
+
+def test_a_config_that_is_not_utf8_text(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"model_type": "llama", "name": "\xff\xfe"}')
+    with pytest.raises(SpecError, match=r"is not UTF-8 text \(byte 0xff at offset 33\)"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_config_nested_too_deeply(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SpecError, match="nested too deeply"):
+        resolve_model(str(path))
+
+
+def test_the_spec_itself_refuses_wrong_types_and_absurd_sizes():
+    with pytest.raises(SpecError, match="model type"):
+        MODELS["gpt2"].variant(model_type=["gpt2"])
+    with pytest.raises(SpecError, match="tie_word_embeddings must be true or false"):
+        MODELS["gpt2"].variant(tie_word_embeddings="no")
+    with pytest.raises(SpecError, match="num_layers 4,096 is beyond the 1,024"):
+        MODELS["gpt2"].variant(num_layers=4096)
+
+
+# -- hub ids: fast and one line when the hub is out of reach; a cached config still serves --
+HUB_PROBE = """
+import sys, time
+t = time.monotonic()
+from autofit.errors import SpecError
+from autofit.specs import resolve_model
+try:
+    spec = resolve_model(sys.argv[1])
+    print("ok", spec.name, spec.n_params)
+except SpecError as exc:
+    print("error", exc)
+print("transformers" in sys.modules, round(time.monotonic() - t, 2))
+"""
+
+
+def _hub_probe(hub_id, tmp_path, **env):
+    import os
+    import subprocess
+    import sys
+
+    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HF_HUB_CACHE")
+    full = {k: v for k, v in os.environ.items() if k not in drop}
+    full.update(HF_HOME=str(tmp_path / "hf"), **env)
+    proc = subprocess.run([sys.executable, "-c", HUB_PROBE, hub_id], env=full, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    *out, timing = proc.stdout.strip().splitlines()
+    imported, seconds = timing.split()
+    return "\n".join(out), proc.stderr, imported == "True", float(seconds)
+
+
+def test_hub_id_offline_says_why_without_loading_transformers(tmp_path):
+    out, err, imported, seconds = _hub_probe("nobody/no-such-model", tmp_path, HF_HUB_OFFLINE="1")
+    assert out.startswith("error") and "not a registered model, not a local path, and the hub is unreachable" in out
+    assert "HF_HUB_OFFLINE" in out and "pass a local config.json" in out
+    assert not imported  # transformers (and torch) take seconds to import; a refusal needs neither
+    assert err == ""
+
+
+def test_hub_id_with_the_hub_unreachable_fails_at_once_in_one_line(tmp_path):
+    # a refused connection: huggingface_hub's download would retry it 5 times with backoff (23 s)
+    out, err, imported, seconds = _hub_probe("nobody/no-such-model", tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    assert out.startswith("error") and "the hub is unreachable" in out and "\n" not in out
+    assert err == "" and not imported
+    assert seconds < 10
+
+
+def _cache_config(tmp_path, hub_id, cfg):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / ("models--" + hub_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_cached_hub_config_serves_offline(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    _cache_config(tmp_path, "acme/tiny-gpt2", MODELS["gpt2"].to_hf_config().to_dict())
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    spec = resolve_model("acme/tiny-gpt2")
+    assert spec.name == spec.source == "acme/tiny-gpt2" and spec.fingerprint == MODELS["gpt2"].fingerprint
+
+
+def test_a_cached_hub_config_serves_when_the_hub_is_unreachable(tmp_path):
+    _cache_config(tmp_path, "acme/tiny-gpt2", MODELS["gpt2"].to_hf_config().to_dict())
+    out, _, _, _ = _hub_probe("acme/tiny-gpt2", tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    assert out == f"ok acme/tiny-gpt2 {MODELS['gpt2'].n_params}"
+
+
+def test_an_invalid_hub_id_is_named(tmp_path):
+    with pytest.raises(SpecError, match="not a valid hub id"):
+        resolve_model("a/b/c")

@@ -294,6 +294,66 @@ def test_bad_urls(url, fragment):
         Store(url)
 
 
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("postgresql://postgres@127.0.0.1:notaport/x", "its port 'notaport' is not a number"),
+        ("postgresql://postgres:s3cr3t/pw@127.0.0.1:notaport/x", "postgresql://postgres:***@127.0.0.1:notaport/x"),
+        ("postgresql://postgres@[::1/x", "its IPv6 host lacks the closing ']'"),
+        ("postgresql://postgres:s3cr3t@[::1/x", "'postgresql://postgres:***@[::1/x'"),
+        ("postgresql://postgres@::1/x", "an IPv6 host goes in brackets"),
+        ("postgresql://postgres@h:/x", "its port '' is not a number"),
+        ("postgresql://postgres:s3cr3t@127.0.0.1:99999/x", "postgresql://postgres:***@127.0.0.1:99999/x has port 99999, "
+                                                           "outside 1-65535"),
+        ("postgresql://postgres:s3cr3t@h:0/x", "has port 0, outside 1-65535"),
+    ],
+)
+def test_malformed_postgres_urls_are_one_masked_line(url, fragment):
+    with pytest.raises(StoreError) as err:
+        resolve_url(url)  # refused before any connection is tried
+    message = str(err.value)
+    assert fragment in message and "\n" not in message, message
+    assert "postgresql+psycopg://USER" in message  # the fix: how a URL is written
+    assert "s3cr3t" not in message
+
+
+def test_autofit_db_must_be_absolute_or_a_url(tmp_path, monkeypatch):
+    """$AUTOFIT_DB is global: a relative SQLite path there would be a new database per directory."""
+    monkeypatch.chdir(tmp_path)
+    for value in ("garbage", "sub/a.db", "sqlite:///rel.db"):
+        monkeypatch.setenv("AUTOFIT_DB", value)
+        with pytest.raises(StoreError, match=r"^AUTOFIT_DB=.* names a relative path.*absolute path \(e.g. "
+                                             + re.escape(str(tmp_path))):
+            Store()
+    assert list(tmp_path.iterdir()) == []  # no file named garbage, no sub/
+    monkeypatch.setenv("AUTOFIT_DB", str(tmp_path / "abs.db"))
+    assert resolve_url().database == str(tmp_path / "abs.db")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AUTOFIT_DB", "~/h.db")
+    assert resolve_url().database == str(tmp_path / "home" / "h.db")
+    monkeypatch.setenv("AUTOFIT_DB", "garbage")
+    assert resolve_url("garbage").database == str(tmp_path / "garbage")  # an explicit --db may be relative
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".hidden", "-rf", "with space", "x" * 101, "",
+                                  "123", "naïve", "a\nb"])
+def test_study_names_that_are_not_safe_path_components_are_refused(store, name):
+    with pytest.raises(StoreError) as err:
+        _study(store, name=name)
+    message = str(err.value)
+    assert message.startswith("study name ") and "letters, digits, '.', '_' or '-'" in message
+    assert "\n" not in message
+    assert store.list_studies() == []  # nothing stored
+
+
+def test_safe_study_names_and_generated_ones(store):
+    for name in ("baseline", "v1.2_lora-A", "7b-run", " padded "):
+        assert _study(store, name=name).name == name.strip()
+    odd = dataclasses.replace(gpt2_ctx(), model=dataclasses.replace(gpt2_ctx().model, name=".." + "x/" * 80))
+    generated = _study(store, odd).name
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", generated), generated
+
+
 def test_paths_that_cannot_hold_a_database(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match=re.escape(f"{tmp_path}/file is a file")):
