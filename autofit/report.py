@@ -283,7 +283,8 @@ class SearchProgress:
             self.current = (data["number"], data["plan"])
         elif event == "requeued":
             numbers = ", ".join(f"#{n}" for n in data["numbers"])
-            self._print(Text(f"lost with their worker: {numbers}; their plans are queued again", style="yellow"))
+            self._print(Text(f"cut short without a result (Ctrl-C, a dead worker, a lost connection): {numbers}; "
+                             "queued again", style="yellow"))
         elif event == "exhausted":
             self._print(Text(f"every plan of the space is evaluated ({data['n']}); stopping before the budget",
                              style="yellow"))

@@ -281,3 +281,16 @@ def test_without_matplotlib_the_report_keeps_the_tables(fitting_study, tmp_path,
     assert any(n.startswith("plots:") and "pip install 'autofit[plot]'" in n for n in files.notes)
     assert 'id="plots-missing"' in page and "<img" not in page
     assert '<table id="anatomy"' in page and '<table id="trials"' in page
+
+
+def test_progress_says_when_plans_are_queued_again_and_when_the_space_is_exhausted():
+    req = search_request("gpt2", "1xA10", trials=8, seq_len=1024, global_batch=8)
+    console = plain_console()
+    progress = report.SearchProgress(console, req)
+    progress("start", {"study": "s", "budget": 8, "done": 3, "best": None})
+    progress("requeued", {"numbers": [3, 5]})
+    progress("exhausted", {"n": 6})
+    text = console.file.getvalue()
+    assert "resuming after 3 trials" in text
+    assert "#3, #5; queued again" in text and "Ctrl-C" in text
+    assert "every plan of the space is evaluated (6)" in text
