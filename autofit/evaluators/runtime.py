@@ -45,8 +45,13 @@ from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names
 IGNORE_INDEX = -100
 
 # bitsandbytes announces an optional faster CPU kernel it could not load, and peft calls a
-# transformers method that transformers 5 renamed: neither concerns a user of autofit
+# transformers method that transformers 5 renamed: neither concerns a user of autofit.
+# Where the `kernels` package is installed (transformers >= 5.25 brings it), that load goes
+# through kernels' hub client (bitsandbytes/backends/cpu/ops.py: get_kernel(
+# "kernels-community/quantization-bitsandbytes")), whose logger also warns, offline or
+# untrusted; bitsandbytes falls back to its own kernel either way.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+logging.getLogger("kernels").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
