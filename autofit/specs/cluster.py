@@ -96,11 +96,6 @@ def parse_cluster(
     count = int(m.group("count")) if m.group("count") is not None else 1
     if count < 1:
         raise SpecError(f"--gpus {text!r}: the GPU count must be at least 1")
-    if count > MAX_GPUS_PER_NODE:
-        raise SpecError(
-            f"--gpus {text!r}: {count:,} GPUs per node is more than any node holds (at most {MAX_GPUS_PER_NODE}, "
-            "a GB200 NVL72); give the GPUs of one node here and the node count in --nodes"
-        )
     try:
         gpu = resolve_gpu(m.group("gpu"))
     except SpecError:
