@@ -14,12 +14,12 @@ import random
 import time
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import Plan, plan_problems
 from autofit.specs import Workload, parse_cluster, resolve_model
 
 
-def valid_plans(ctx: EvalContext) -> list[Plan]:
+def valid_plans(ctx: Target) -> list[Plan]:
     world = ctx.cluster.world_size
     per_rank = ctx.workload.global_batch // world
     mbs = [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--gpus", default="8xH100")
     ap.add_argument("--n", type=int, default=20000)
     args = ap.parse_args()
-    ctx = EvalContext(resolve_model(args.model), parse_cluster(args.gpus), Workload(seq_len=4096, global_batch=64))
+    ctx = Target(resolve_model(args.model), parse_cluster(args.gpus), Workload(seq_len=4096, global_batch=64))
     plans = valid_plans(ctx)
     sample = [random.Random(i).choice(plans) for i in range(args.n)]
     ev = AnalyticEvaluator()

@@ -15,7 +15,7 @@ the measured evaluator (2 warm-up steps where memory is tracked, then 3 timed st
 Both sides keep the same training semantics: full fine-tuning, bf16-mixed, AdamW, and the
 global batch (micro-batch × grad-accum × 2 ranks = 16).
 
-* **autofit**: ``autofit.search.run_search`` with backend ``measured`` (analytic screen,
+* **autofit**: ``autofit.search.loop.run_search`` with backend ``measured`` (analytic screen,
   enqueued candidates, TPE, pre-run pruning of plans predicted > 5% over the budget, the
   median pruner on per-step throughput), ``--trials`` (default 12), methods limited to
   ``full`` (``--methods``) so that it answers the same question as the grid. It may vary
@@ -81,12 +81,13 @@ from pathlib import Path
 from _deepspeed import instantiation_bytes
 from _machine import machine, uptime, versions
 
-from autofit.evaluators.base import EvalContext, Status, TrialResult
+from autofit.specs import Target
+from autofit.results import Status, TrialResult
 from autofit.evaluators.measured import MeasuredEvaluator
 from autofit.plan import Plan, Sharding
-from autofit.request import build_context
-from autofit.search import SearchRequest, run_search
-from autofit.space import Allowed
+from autofit.search.request import build_context
+from autofit.search.loop import SearchRequest, run_search
+from autofit.search.space import Allowed
 
 MiB = 2**20
 ENV = {"OMP_NUM_THREADS": "1"}  # two ranks on two cores: one thread each (as tests/evaluators do)
@@ -139,7 +140,7 @@ def write_model(root: Path, layers: int, hidden: int, vocab: int) -> Path:
 
 
 # -- autofit ------------------------------------------------------------------------------------
-def run_autofit(ctx: EvalContext, args, db: str) -> Side:
+def run_autofit(ctx: Target, args, db: str) -> Side:
     from autofit.store import Store
 
     options = {"timeout_s": args.trial_timeout, "cpu_mem_budget": ctx.capacity_bytes, "env": ENV}
@@ -169,7 +170,7 @@ def base_plan(mb: int, per_rank: int, stage: int) -> Plan:
                 grad_accum=per_rank // mb, checkpointing="none", attention="sdpa", sharding=STAGES[stage])
 
 
-def run_grid(ctx: EvalContext, args) -> Side:
+def run_grid(ctx: Target, args) -> Side:
     ev = MeasuredEvaluator(timeout_s=args.trial_timeout, cpu_mem_budget=ctx.capacity_bytes, env=ENV)
     ranks = ctx.cluster.world_size
     per_rank = ctx.workload.global_batch // ranks

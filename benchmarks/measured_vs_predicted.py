@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from autofit.evaluators import get_evaluator
-from autofit.evaluators.base import EvalContext, Status, TrialResult
+from autofit.specs import Target
+from autofit.results import Status, TrialResult
 from autofit.plan import Plan
-from autofit.request import build_context
+from autofit.search.request import build_context
 
 GiB = 2**30
 
@@ -92,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
 
     gpus = args.gpus or local_target()
-    ctx: EvalContext = build_context(args.model, gpus, seq_len=args.seq_len, global_batch=args.global_batch,
+    ctx: Target = build_context(args.model, gpus, seq_len=args.seq_len, global_batch=args.global_batch,
                                      cpu_mem_budget=args.cpu_mem_budget)
     pname = predictor()
     measured = get_evaluator("measured", timeout_s=args.trial_timeout)

@@ -112,16 +112,11 @@ from unittest import mock
 from _deepspeed import instantiation_bytes
 from _machine import machine
 
-from autofit import search
+from autofit.search import loop as search
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import (
-    EvalContext,
-    Evaluator,
-    MemoryAnatomy,
-    Status,
-    Throughput,
-    TrialResult,
-)
+from autofit.specs import Target
+from autofit.evaluators.base import Evaluator
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -132,7 +127,7 @@ from autofit.plan import (
     Precision,
     Sharding,
 )
-from autofit.space import Allowed, SearchSpace
+from autofit.search.space import Allowed, SearchSpace
 from autofit.specs import Workload, parse_cluster, resolve_model
 
 HERE = Path(__file__).resolve().parent
@@ -161,8 +156,8 @@ class Request:
     def slug(self) -> str:
         return f"{self.model}-{self.gpus}-seq{self.seq_len}-gb{self.global_batch}"
 
-    def ctx(self) -> EvalContext:
-        return EvalContext(resolve_model(self.model), parse_cluster(self.gpus),
+    def ctx(self) -> Target:
+        return Target(resolve_model(self.model), parse_cluster(self.gpus),
                            Workload(seq_len=self.seq_len, global_batch=self.global_batch))
 
     def space(self) -> SearchSpace:
@@ -328,7 +323,7 @@ class ReplayEvaluator(Evaluator):
     def __init__(self, table: dict[str, TrialResult]):
         self.table = table
 
-    def evaluate(self, plan: Plan, ctx: EvalContext, on_step=None) -> TrialResult:
+    def evaluate(self, plan: Plan, ctx: Target, on_step=None) -> TrialResult:
         return self.table[plan.plan_id]
 
 
@@ -412,7 +407,7 @@ def random_run(oracle: Oracle, budget: int, seed: int) -> Run:
     return Run([oracle.result(p) for p in picks], [EVAL] * len(picks))
 
 
-def base_plan(ctx: EvalContext, micro_batch: int, sharding: Sharding = Sharding.NONE) -> Plan:
+def base_plan(ctx: Target, micro_batch: int, sharding: Sharding = Sharding.NONE) -> Plan:
     """The user's plan the baselines start from (full fine-tuning, mixed precision, AdamW, sdpa)."""
     per_rank = ctx.workload.global_batch // ctx.cluster.world_size
     prec = Precision.BF16_MIXED if ctx.cluster.gpu.supports_bf16 else Precision.FP16_MIXED

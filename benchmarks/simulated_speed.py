@@ -20,7 +20,7 @@ T0 = time.perf_counter()
 import torch  # noqa: E402
 import transformers  # noqa: E402,F401
 
-from autofit.evaluators.base import EvalContext  # noqa: E402
+from autofit.specs import Target  # noqa: E402
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache  # noqa: E402
 from autofit.plan import Plan  # noqa: E402
 from autofit.specs import Workload, parse_cluster, resolve_model  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> None:
     cluster = parse_cluster(args.gpus)
     plan = Plan(micro_batch=args.mb, **PLANS[args.plan])
     wl = Workload(seq_len=args.seq, global_batch=args.mb * cluster.world_size)
-    ctx = EvalContext(spec, cluster, wl)
+    ctx = Target(spec, cluster, wl)
     t = time.perf_counter()
     r = SimulatedEvaluator(TraceCache()).evaluate(plan, ctx)
     wall = time.perf_counter() - t

@@ -24,7 +24,8 @@ import time
 from _errors import summary_table
 
 from autofit.evaluators.analytic import estimate
-from autofit.evaluators.base import COMPONENTS, EvalContext
+from autofit.results import COMPONENTS
+from autofit.specs import Target
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
 from autofit.plan import Plan, plan_problems
 from autofit.specs import MODELS, Workload, parse_cluster
@@ -105,7 +106,7 @@ def main() -> None:
             wl = Workload(seq_len=seq, global_batch=plan.micro_batch * cluster.world_size)
             if plan_problems(plan, model, cluster, wl):
                 continue
-            ctx = EvalContext(model, cluster, wl)
+            ctx = Target(model, cluster, wl)
             t0 = time.perf_counter()
             sim = ev.evaluate(plan, ctx)
             dt = time.perf_counter() - t0

@@ -104,7 +104,7 @@ def analytic_rate(n: int) -> tuple[int, float, int]:
     from analytic_speed import valid_plans
 
     from autofit.evaluators.analytic import AnalyticEvaluator
-    from autofit.request import build_context
+    from autofit.search.request import build_context
 
     ctx = build_context(MODEL, GPUS)  # the CLI's defaults: seq 2048, global batch 16
     plans = valid_plans(ctx)
@@ -122,7 +122,7 @@ def simulated_times(names: list[str]) -> list[tuple[str, str, float, str]]:
 
     from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
     from autofit.plan import Plan, plan_problems
-    from autofit.request import build_context
+    from autofit.search.request import build_context
 
     ctx = build_context(MODEL, GPUS)
     per_rank = ctx.workload.global_batch // ctx.cluster.world_size

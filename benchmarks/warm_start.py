@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import search_efficiency as se  # noqa: E402
 
-from autofit import search  # noqa: E402
+from autofit.search import loop as search  # noqa: E402
 
 PRIORS = ("seq 1024", "global batch x2")  # the prior study's workload, beside the target's (seq 2048)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from autofit.request import build_context
-from autofit.search import SearchOutcome, SearchRequest, run_search
-from autofit.space import Allowed
+from autofit.search.request import build_context
+from autofit.search.loop import SearchOutcome, SearchRequest, run_search
+from autofit.search.space import Allowed
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ def hopeless_study(tmp_path_factory) -> Study:
 
 @pytest.fixture(scope="session")
 def tight_report(tight_study, tmp_path_factory):
-    """The report of ``tight_study`` (autofit.htmlreport.ReportFiles), written once."""
-    from autofit.htmlreport import write_report
+    """The report of ``tight_study`` (autofit.report.html.ReportFiles), written once."""
+    from autofit.report.html import write_report
 
     with tight_study.store() as store:
         return write_report(store, tight_study.name, tmp_path_factory.mktemp("tight-report"))

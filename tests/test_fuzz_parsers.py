@@ -9,7 +9,7 @@ from autofit.specs.units import parse_duration, parse_size
 from autofit.errors import AutofitError
 from autofit.plan import Plan
 from autofit.specs import parse_cluster
-from autofit.studies import load_study_file
+from autofit.search.studies import load_study_file
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

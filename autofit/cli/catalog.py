@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import handle_errors, json_option
 from autofit.specs import GPUS, MODELS
 
@@ -15,9 +15,9 @@ from autofit.specs import GPUS, MODELS
 def gpus(as_json: bool) -> None:
     """List the GPU catalog (dense peak rates from vendor datasheets)."""
     if as_json:
-        click.echo(report.dumps([report.gpu_dict(g) for g in GPUS.values()]))
+        click.echo(console.dumps([console.gpu_dict(g) for g in GPUS.values()]))
         return
-    report.console().print(report.gpus_table(GPUS.values()))
+    console.terminal().print(console.gpus_table(GPUS.values()))
 
 
 @click.command()
@@ -26,6 +26,6 @@ def gpus(as_json: bool) -> None:
 def models(as_json: bool) -> None:
     """List the registered model architectures."""
     if as_json:
-        click.echo(report.dumps([m.as_dict() for m in MODELS.values()]))
+        click.echo(console.dumps([m.as_dict() for m in MODELS.values()]))
         return
-    report.console().print(report.models_table(MODELS.values()))
+    console.terminal().print(console.models_table(MODELS.values()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
 from autofit.store import Store
 
@@ -36,7 +36,7 @@ def current(db_url: str | None, as_json: bool) -> None:
     with Store(db_url, check_schema=False) as store:
         info = store.schema_info()
     if as_json:
-        click.echo(report.dumps(info.as_dict()))
+        click.echo(console.dumps(info.as_dict()))
         return
     click.echo(f"database: {info.url}")
     click.echo(f"current:  {info.current or '(empty: no autofit schema yet)'}")

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import (
     db_option,
     evaluator_options,
@@ -17,7 +17,7 @@ from autofit.cli.options import (
     target_options,
 )
 from autofit.evaluators import evaluate
-from autofit.request import build_context, build_plan
+from autofit.search.request import build_context, build_plan
 
 
 @click.command()
@@ -41,20 +41,20 @@ def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, 
                                       work_dir=work_dir))
     result = evaluate(plan, ctx, backend, **measured)
     if calibrate and result.evaluator != "measured":
-        from autofit.calibration import for_context
+        from autofit.search.calibration import for_context
 
         cal = for_context(ctx, result.evaluator, db_url)
         if cal is not None:
             result = cal.apply(result, ctx)
-    console = report.console(stderr=as_json)
+    term = console.terminal(stderr=as_json)
     for warning in ctx_warnings(ctx):
-        console.print(f"[yellow]warning[/yellow]: {warning}")
+        term.print(f"[yellow]warning[/yellow]: {warning}")
     if as_json:
-        click.echo(report.dumps(result.as_dict()))
+        click.echo(console.dumps(result.as_dict()))
     elif result.memory is None:  # a measured run that failed, timed out or could not run here
-        console.print(f"[red]{result.status.value}[/red]: {result.reason}")
+        term.print(f"[red]{result.status.value}[/red]: {result.reason}")
     else:
-        report.print_estimate(console, result, ctx)
+        console.print_estimate(term, result, ctx)
     if result.memory is None:
         sys.exit(1)
 

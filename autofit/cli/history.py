@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
 
 
@@ -24,9 +24,9 @@ def history(model, gpus, db_url, as_json):
     gpu = resolve_gpu(gpus.split("x")[-1]).name if gpus else None
     rows = Store(db_url).list_studies(model=model, gpu=gpu)
     if as_json:
-        click.echo(report.dumps([s.as_dict() for s in rows]))
+        click.echo(console.dumps([s.as_dict() for s in rows]))
         return
-    report.console().print(report.history_table(rows))
+    console.terminal().print(console.history_table(rows))
 
 
 @click.command()
@@ -36,7 +36,7 @@ def history(model, gpus, db_url, as_json):
 @handle_errors
 def show(study, db_url, as_json):
     """Every trial of STUDY (name or id): status, memory, tokens/s, bottleneck; then the answer."""
-    from autofit.analysis import standing as standing_of
+    from autofit.report.analysis import standing as standing_of
     from autofit.store import Store
 
     store = Store(db_url)
@@ -44,14 +44,14 @@ def show(study, db_url, as_json):
     trials = store.trials(rec.id)
     standing = standing_of([t.result() for t in trials], rec.context())
     if as_json:
-        click.echo(report.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials],
+        click.echo(console.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials],
                                  "standing": standing.as_dict()}))
         return
-    console = report.console()
-    console.print(report.study_header(rec))
-    console.print(report.trials_table(trials, standing.best))
-    report.print_answer(console, standing, rec.allowed.get("methods") or [])
-    console.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
+    term = console.terminal()
+    term.print(console.study_header(rec))
+    term.print(console.trials_table(trials, standing.best))
+    console.print_answer(term, standing, rec.allowed.get("methods") or [])
+    term.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
 
 
 @click.command()
@@ -65,7 +65,7 @@ def show(study, db_url, as_json):
 @handle_errors
 def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
     """The fastest stored plan that fits this request, across studies, without running anything."""
-    from autofit.request import build_cluster
+    from autofit.search.request import build_cluster
     from autofit.specs import resolve_model
     from autofit.store import Store
 
@@ -79,12 +79,12 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
         sys.exit(1)
     result = store.trial_result(rec)
     if as_json:
-        click.echo(report.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
+        click.echo(console.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
         return
-    console = report.console()
-    console.print(f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
+    term = console.terminal()
+    term.print(f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
                   f"({result.evaluator}, study {rec.study_id}, trial {rec.number})")
-    console.print(report.anatomy_table(result))
+    term.print(console.anatomy_table(result))
 
 
 @click.command(name="export")
@@ -115,6 +115,6 @@ def export_cmd(study, trial_number, out, db_url, as_json):
     ctx = rec.context()
     paths = export_plan(store.trial_result(chosen).plan, ctx, out)
     if as_json:
-        click.echo(report.dumps({"study": rec.name, "trial": chosen.number, "files": [str(p) for p in paths]}))
+        click.echo(console.dumps({"study": rec.name, "trial": chosen.number, "files": [str(p) for p in paths]}))
     else:
         click.echo("\n".join(str(p) for p in paths))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
 
 
@@ -17,16 +17,16 @@ from autofit.cli.options import db_option, handle_errors, json_option
 @handle_errors
 def report_cmd(study, out, db_url, as_json):
     """Write STUDY's report: report.html (opens offline) and its plots as PNG and SVG."""
-    from autofit.htmlreport import default_out_dir, write_report
+    from autofit.report.html import default_out_dir, write_report
     from autofit.store import Store
 
     store = Store(db_url)
     rec = store.get_study(study)
     files = write_report(store, rec.id, out or default_out_dir(rec))
     if as_json:
-        click.echo(report.dumps(files.as_dict()))
+        click.echo(console.dumps(files.as_dict()))
         return
-    console = report.console(stderr=True)
+    term = console.terminal(stderr=True)
     for note in files.notes:
-        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        term.print(f"[yellow]note[/yellow]: {note}", highlight=False)
     click.echo(f"report: {files.html}")

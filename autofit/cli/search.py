@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from click.core import ParameterSource
 
-from autofit import analysis, report
+from autofit.report import analysis, console
 from autofit.cli.options import (
     db_option,
     evaluator_options,
@@ -59,9 +59,9 @@ from autofit.errors import AutofitError, SpecError
 def search(cctx: click.Context, **opts):
     """Search for the fastest training plan that fits, store every trial, export the winner."""
     from autofit.evaluators import resolve_backend
-    from autofit.request import build_context
-    from autofit.search import DEFAULT_TRIALS, SearchRequest, run_search
-    from autofit.space import Allowed
+    from autofit.search.request import build_context
+    from autofit.search.loop import DEFAULT_TRIALS, SearchRequest, run_search
+    from autofit.search.space import Allowed
     from autofit.store import Store
 
     opts = _merge_study_file(cctx, opts)
@@ -80,8 +80,8 @@ def search(cctx: click.Context, **opts):
                             calibrate=opts["calibrate"])
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
-    console = report.console(stderr=True, quiet=quiet)
-    progress = report.SearchProgress(console, request) if not quiet else None
+    term = console.terminal(stderr=True, quiet=quiet)
+    progress = console.SearchProgress(term, request) if not quiet else None
     with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
         if opts["parallel"] > 1 or opts["workers"] == 0:
             outcome = _distributed(request, store, opts, progress)
@@ -98,10 +98,10 @@ def search(cctx: click.Context, **opts):
 
         exported = export_plan(standing.best.plan, ctx, opts["out"])
     if as_json:
-        click.echo(report.dumps(report.outcome_dict(outcome, exported, standing)))
+        click.echo(console.dumps(console.outcome_dict(outcome, exported, standing)))
     else:
-        out = report.console()
-        report.print_outcome(out, outcome, standing, request, exported, store.masked_url)
+        out = console.terminal()
+        console.print_outcome(out, outcome, standing, request, exported, store.masked_url)
         _report(out, store, outcome.study.name, opts)
     if outcome.interrupted:
         sys.exit(130)
@@ -111,8 +111,8 @@ def search(cctx: click.Context, **opts):
 
 def _distributed(request, store, opts, progress):
     """--workers 0 (workers elsewhere evaluate; --wait follows) or --parallel K (K local workers)."""
-    from autofit.search import follow, interrupted_marks, prepare_search, stored_outcome
-    from autofit.workers import spawn_local_workers
+    from autofit.search.loop import follow, interrupted_marks, prepare_search, stored_outcome
+    from autofit.search.workers import spawn_local_workers
 
     rec, finished = prepare_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
                                    study_name=opts["name"], progress=progress)
@@ -128,30 +128,30 @@ def _distributed(request, store, opts, progress):
                    f"  autofit worker --study {name} --db {shlex.quote(store.masked_url)}\n"
                    f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {name})", err=True)
         if opts["as_json"]:
-            click.echo(report.dumps({"study": rec.name, "status": "running"}))
+            click.echo(console.dumps({"study": rec.name, "status": "running"}))
         sys.exit(0)
     return follow(store, rec.name, progress=progress)
 
 
-def _report(console: Console, store, study: str, opts: dict) -> None:
+def _report(term: Console, store, study: str, opts: dict) -> None:
     """Write the study's report into --out, or say which command writes it."""
     db = f" --db {shlex.quote(store.masked_url)}" if opts.get("db_url") else ""  # never the password
     command = f"autofit report {shlex.quote(study)} --out {shlex.quote(opts['out'] or 'DIR')}{db}"
     if opts["write_report"] and opts["out"]:
-        from autofit.htmlreport import write_report
+        from autofit.report.html import write_report
 
         try:
             files = write_report(store, study, opts["out"])
         except AutofitError as exc:
-            console.print(f"[yellow]the report was not written[/yellow]: {exc}; retry with: {command}",
+            term.print(f"[yellow]the report was not written[/yellow]: {exc}; retry with: {command}",
                           highlight=False)
             return
         for note in files.notes:
-            console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
-        console.print(f"report: [bold]{files.html}[/bold]  (plots beside it; rebuild with `{command}`)",
+            term.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        term.print(f"report: [bold]{files.html}[/bold]  (plots beside it; rebuild with `{command}`)",
                       highlight=False, soft_wrap=True)
     else:
-        console.print(f"report: {command}", highlight=False, soft_wrap=True)
+        term.print(f"report: {command}", highlight=False, soft_wrap=True)
 
 
 def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
@@ -159,7 +159,7 @@ def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
     path = opts.pop("config_path")
     if not path:
         return opts
-    from autofit.studies import load_study_file
+    from autofit.search.studies import load_study_file
 
     data = load_study_file(path)
     rename = {"lengths": "lengths_path", "db": "db_url"}

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from autofit import report
+from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
 
 
@@ -29,21 +29,21 @@ def worker(study, heartbeat, grace, quiet, db_url, as_json):
     study ends with exactly its trial budget; a worker that dies mid-trial is noticed by the
     heartbeat and its trial is run again by another.
     """
-    from autofit.search import request_from_study, run_worker
+    from autofit.search.loop import request_from_study, run_worker
     from autofit.store import Store
 
     if grace <= heartbeat:
         raise click.ClickException(f"--grace ({grace}) must be longer than --heartbeat ({heartbeat})")
     store = Store(db_url)
     rec = store.get_study(study)
-    console = report.console(stderr=True, quiet=quiet or as_json)
-    progress = None if (quiet or as_json) else report.SearchProgress(console, request_from_study(rec))
+    term = console.terminal(stderr=True, quiet=quiet or as_json)
+    progress = None if (quiet or as_json) else console.SearchProgress(term, request_from_study(rec))
     with progress if progress is not None else contextlib.nullcontext():  # closes the live display on Ctrl-C
         outcome = run_worker(store, rec.name, progress=progress, heartbeat=(heartbeat, grace))
     if as_json:
-        click.echo(report.dumps(report.outcome_dict(outcome, [])))
+        click.echo(console.dumps(console.outcome_dict(outcome, [])))
     elif not quiet:
-        console.print(f"worker done: study {outcome.study.name} is {outcome.study.status}; "
+        term.print(f"worker done: study {outcome.study.name} is {outcome.study.status}; "
                       f"{sum(outcome.counts().values())} results stored")
     if outcome.interrupted:
         sys.exit(130)

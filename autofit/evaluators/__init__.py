@@ -6,7 +6,9 @@ Torch is imported only by the fidelities that build models (simulated, measured)
 from __future__ import annotations
 
 from autofit.errors import AutofitError
-from autofit.evaluators.base import EvalContext, Evaluator, TrialResult
+from autofit.specs import Target
+from autofit.evaluators.base import Evaluator
+from autofit.results import TrialResult
 
 BACKENDS = ("auto", "analytic", "simulated", "measured")
 
@@ -29,7 +31,7 @@ def get_evaluator(name: str, **options) -> Evaluator:
     raise AutofitError(f"backend {name!r} is not available; use one of: analytic, simulated, measured")
 
 
-def resolve_backend(name: str, ctx: EvalContext) -> str:
+def resolve_backend(name: str, ctx: Target) -> str:
     """``auto``: the most faithful evaluator available for the target cluster."""
     if name not in BACKENDS:
         raise AutofitError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
@@ -43,7 +45,7 @@ def resolve_backend(name: str, ctx: EvalContext) -> str:
     return _auto(ctx)
 
 
-def _auto(ctx: EvalContext) -> str:
+def _auto(ctx: Target) -> str:
     """Measure when this machine has the target GPUs (model and count, one node), else simulate.
 
     The local-CPU target (``1xcpu``) is never measured by ``auto``: it exists to plan and
@@ -57,7 +59,7 @@ def _auto(ctx: EvalContext) -> str:
     return "simulated"
 
 
-def evaluate(plan, ctx: EvalContext, backend: str = "auto", **options) -> TrialResult:
+def evaluate(plan, ctx: Target, backend: str = "auto", **options) -> TrialResult:
     """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it.
 
     ``options`` configure the measured evaluator and are ignored by the estimators.
@@ -69,4 +71,4 @@ def evaluate(plan, ctx: EvalContext, backend: str = "auto", **options) -> TrialR
     return get_evaluator(name, **(options if name == "measured" else {})).evaluate(plan, ctx)
 
 
-__all__ = ["BACKENDS", "EvalContext", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_backend"]
+__all__ = ["BACKENDS", "Target", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_backend"]

@@ -21,15 +21,9 @@ import time
 from dataclasses import dataclass
 
 from autofit.evaluators import costs
-from autofit.evaluators.base import (
-    EvalContext,
-    Evaluator,
-    MemoryAnatomy,
-    StepCallback,
-    Throughput,
-    TrialResult,
-    judge,
-)
+from autofit.specs import Target
+from autofit.evaluators.base import Evaluator, StepCallback
+from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -468,7 +462,7 @@ def _tokens(plan: Plan, workload: Workload) -> tuple[int, int, float, float]:
     return mb * s, s, mb * row, row
 
 
-def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
+def estimate(plan: Plan, ctx: Target) -> Estimate:
     """The analytic anatomy and throughput of a valid plan."""
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
     rg = regime(plan)
@@ -654,7 +648,7 @@ def estimate(plan: Plan, ctx: EvalContext) -> Estimate:
     return Estimate(memory, _throughput(plan, ctx, sb, blk, t_time, keys, block_bytes), phase)
 
 
-def _throughput(plan: Plan, ctx: EvalContext, sb: costs.StateBytes, blk: _Block, tokens: float,
+def _throughput(plan: Plan, ctx: Target, sb: costs.StateBytes, blk: _Block, tokens: float,
                 keys: float, block_bytes: float) -> Throughput:
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
     gpu = cluster.gpu
@@ -717,7 +711,7 @@ class AnalyticEvaluator(Evaluator):
 
     name = "analytic"
 
-    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+    def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         t0 = time.perf_counter()
         est = estimate(plan, ctx)
         status, reason = judge(est.memory, ctx)

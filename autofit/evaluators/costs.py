@@ -299,16 +299,5 @@ def optimizer_step_bytes(plan: Plan, sb: StateBytes) -> float:
     return traffic
 
 
-def bottleneck(components: dict[str, float]) -> str:
-    """``activation-bound``, ``optimizer-bound`` or ``weight-bound``: what dominates the peak."""
-    groups = {
-        "activation-bound": components.get("activations", 0) + components.get("logits", 0)
-        + components.get("temporary", 0),
-        "optimizer-bound": components.get("optimizer", 0) + components.get("gradients", 0),
-        "weight-bound": components.get("weights", 0),
-    }
-    return max(groups, key=lambda k: groups[k])
-
-
 def next_pow2(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, x))))

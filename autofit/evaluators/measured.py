@@ -47,18 +47,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.errors import AutofitError
-from autofit.evaluators.base import (
-    COMPONENTS,
-    EvalContext,
-    Evaluator,
-    MemoryAnatomy,
-    Status,
-    StepCallback,
-    StepReport,
-    Throughput,
-    TrialResult,
-    judge,
-)
+from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.specs import Target
+from autofit.evaluators.base import Evaluator, StepCallback, StepReport
 from autofit.plan import Offload, Optimizer, Plan
 
 DEFAULT_WARMUP_STEPS = 2  # the first step creates the optimizer states, the second is steady
@@ -127,12 +118,12 @@ def check_work_dir(path: str | os.PathLike) -> str:
     return given
 
 
-def device_kind(ctx: EvalContext) -> str:
+def device_kind(ctx: Target) -> str:
     """``cpu`` for the local-CPU target, else ``cuda`` (no check that this machine has it)."""
     return "cpu" if ctx.cluster.gpu.kind == "cpu" else "cuda"
 
 
-def target_device(ctx: EvalContext) -> str:
+def target_device(ctx: Target) -> str:
     """``cpu`` for the local-CPU target, else ``cuda``; raises when this machine cannot run it."""
     cluster = ctx.cluster
     if cluster.nodes != 1:
@@ -154,7 +145,7 @@ def local_gpus_match(cluster, local: list | None = None) -> bool:
     return all(g is not None and g.name == cluster.gpu.name for g in local[: cluster.gpus_per_node])
 
 
-def not_measurable(plan: Plan, ctx: EvalContext, device: str) -> str:
+def not_measurable(plan: Plan, ctx: Target, device: str) -> str:
     """Why this plan cannot be measured here ('' when it can)."""
     if device == "cpu":
         if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
@@ -167,7 +158,7 @@ def not_measurable(plan: Plan, ctx: EvalContext, device: str) -> str:
     return ""
 
 
-def liger_runs(ctx: EvalContext, device: str) -> bool:
+def liger_runs(ctx: Target, device: str) -> bool:
     """Liger's fused loss will be used by the child (see ``_trial_main.liger``)."""
     import importlib.util
 
@@ -177,12 +168,12 @@ def liger_runs(ctx: EvalContext, device: str) -> bool:
             and importlib.util.find_spec("liger_kernel") is not None)
 
 
-def launcher(plan: Plan, ctx: EvalContext) -> str:
+def launcher(plan: Plan, ctx: Target) -> str:
     """``python`` for one plain-torch rank, else ``accelerate`` (launched with the exported files)."""
     return "python" if ctx.cluster.world_size == 1 and plan.engine == "torch" else "accelerate"
 
 
-def trial_spec(plan: Plan, ctx: EvalContext, opts: MeasuredOptions, device: str, budget: int | None) -> dict:
+def trial_spec(plan: Plan, ctx: Target, opts: MeasuredOptions, device: str, budget: int | None) -> dict:
     """What the child needs, as JSON: the architecture (not its name), plan, workload, steps."""
     return {
         "model": ctx.model.as_dict(),
@@ -204,7 +195,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(plan: Plan, ctx: EvalContext, spec_path: Path, port: int | None = None) -> list[str]:
+def launch_command(plan: Plan, ctx: Target, spec_path: Path, port: int | None = None) -> list[str]:
     """The child's argv (run in the trial directory)."""
     if launcher(plan, ctx) == "python":
         return [sys.executable, "-m", CHILD_MODULE, str(spec_path)]
@@ -362,7 +353,7 @@ class MeasuredEvaluator(Evaluator):
         self.options = MeasuredOptions(warmup_steps, timed_steps, float(timeout_s), cpu_mem_budget,
                                        str(work_dir) if work_dir is not None else None, dict(env or {}), seed)
 
-    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+    def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         opts = self.options
         t0 = time.perf_counter()
         device = target_device(ctx)
@@ -390,7 +381,7 @@ class MeasuredEvaluator(Evaluator):
             if not opts.work_dir:
                 shutil.rmtree(trial_dir, ignore_errors=True)
 
-    def _run(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None, trial_dir: Path, device: str,
+    def _run(self, plan: Plan, ctx: Target, on_step: StepCallback | None, trial_dir: Path, device: str,
              budget: int | None, extra: dict[str, Any], t0: float) -> TrialResult:
         from autofit.export import export_plan
 
@@ -485,7 +476,7 @@ def anatomy(mem: dict[str, Any], host_bytes: int = 0) -> MemoryAnatomy:
                          device_total=total, host_bytes=host_bytes)
 
 
-def classify(plan: Plan, ctx: EvalContext, trial_dir: Path, rc: int | None, stopped: str,
+def classify(plan: Plan, ctx: Target, trial_dir: Path, rc: int | None, stopped: str,
              last: StepReport | None, extra: dict[str, Any], duration: float, timeout_s: float) -> TrialResult:
     """The outcome, from the child's result files and exit status (never from its logs)."""
     result = _read_json(trial_dir / "result.json")

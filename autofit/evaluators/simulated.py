@@ -94,16 +94,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.evaluators import costs
-from autofit.evaluators.base import (
-    EvalContext,
-    Evaluator,
-    MemoryAnatomy,
-    Status,
-    StepCallback,
-    Throughput,
-    TrialResult,
-    judge,
-)
+from autofit.specs import Target
+from autofit.evaluators.base import Evaluator, StepCallback
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.plan import Attention, Offload, Plan
 from autofit.specs import ModelSpec, Workload
 from autofit.specs.gpus import GPUSpec
@@ -115,14 +108,14 @@ _COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", 
 
 # -- what a trace depends on -------------------------------------------------------------
 @dataclass(frozen=True)
-class Target:
+class TraceDevice:
     """What decides the kernels a trace runs: the device kind and its compute capability."""
 
     kind: str  # "cpu" or "cuda"
     capability: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, gpu: GPUSpec) -> "Target":
+    def of(cls, gpu: GPUSpec) -> "TraceDevice":
         return cls("cpu") if gpu.kind == "cpu" else cls("cuda", tuple(gpu.compute_capability))
 
 
@@ -143,10 +136,10 @@ class TraceKey:
     packing: bool
     fused_loss: bool
     sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
-    target: Target
+    target: TraceDevice
 
     @classmethod
-    def of(cls, plan: Plan, model: ModelSpec, workload: Workload, target: Target) -> "TraceKey":
+    def of(cls, plan: Plan, model: ModelSpec, workload: Workload, target: TraceDevice) -> "TraceKey":
         return cls(
             model=model.fingerprint,
             seq_len=workload.seq_len,
@@ -535,7 +528,7 @@ def _attn_flop_scale(rows: list[list[int] | None]) -> float:
     return sum(scales) / len(scales) if scales else 1.0
 
 
-def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: Target) -> Trace:
+def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice) -> Trace:
     """Build the model on meta, swap in fake tensors and run two steps under the tracker."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -610,7 +603,7 @@ class TraceCache:
         self._d: OrderedDict[TraceKey, Trace] = OrderedDict()
         self.hits = self.misses = 0
 
-    def get(self, model: ModelSpec, plan: Plan, workload: Workload, target: Target) -> Trace:
+    def get(self, model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice) -> Trace:
         key = TraceKey.of(plan, model, workload, target)
         if key in self._d:
             self.hits += 1
@@ -638,7 +631,7 @@ def steady_window(trace: Trace) -> tuple[int, int]:
     return start, len(trace.log) - 1
 
 
-def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
+def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     """Per-rank components at the moment that peaks once states are sharded as the engine shards them.
 
     Weights, gradients and optimizer states are replaced by ``costs.shard_states`` of the
@@ -704,7 +697,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: EvalContext) -> RankMemory:
     return RankMemory({k: int(v) for k, v in (best or {}).items()}, best_phase, best_event)
 
 
-def anatomy(trace: Trace, plan: Plan, ctx: EvalContext) -> tuple[MemoryAnatomy, str]:
+def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
     from autofit.evaluators import analytic
 
     rm = rank_memory(trace, plan, ctx)
@@ -727,7 +720,7 @@ def anatomy(trace: Trace, plan: Plan, ctx: EvalContext) -> tuple[MemoryAnatomy, 
     return mem, rm.phase
 
 
-def throughput(trace: Trace, plan: Plan, ctx: EvalContext) -> Throughput:
+def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
     """Roofline over the steady-state step's ops, plus communication and offload."""
     from autofit.evaluators import analytic
 
@@ -773,9 +766,9 @@ class SimulatedEvaluator(Evaluator):
     def __init__(self, cache: TraceCache | None = None) -> None:
         self.cache = cache if cache is not None else _SHARED_CACHE
 
-    def evaluate(self, plan: Plan, ctx: EvalContext, on_step: StepCallback | None = None) -> TrialResult:
+    def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         t0 = time.perf_counter()
-        target = Target.of(ctx.cluster.gpu)
+        target = TraceDevice.of(ctx.cluster.gpu)
         hits = self.cache.hits
         try:
             trace = self.cache.get(ctx.model, plan, ctx.workload, target)

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.export.accelerate import accelerate_config, accelerate_yaml, distributed_type, write_accelerate_yaml
 from autofit.export.common import (
     ACCELERATE_CONFIG_NAME,
@@ -37,7 +37,7 @@ __all__ = [
 LAUNCH = f"accelerate launch --config_file {ACCELERATE_CONFIG_NAME} train.py"
 
 
-def export_files(plan: Plan, ctx: EvalContext, *, nvme_path: str = NVME_PATH) -> dict[str, str]:
+def export_files(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict[str, str]:
     """The export as ``{file name: text}``, in the order a reader needs them."""
     checked(plan, ctx)
     files: dict[str, str] = {}
@@ -52,7 +52,7 @@ def export_files(plan: Plan, ctx: EvalContext, *, nvme_path: str = NVME_PATH) ->
     return files
 
 
-def export_plan(plan: Plan, ctx: EvalContext, out_dir: str | os.PathLike, *,
+def export_plan(plan: Plan, ctx: Target, out_dir: str | os.PathLike, *,
                 nvme_path: str = NVME_PATH) -> list[Path]:
     """Write the plan's config files into ``out_dir`` (created if needed); returns their paths.
 
@@ -83,7 +83,7 @@ Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()
 '''
 
 
-def _readme(plan: Plan, ctx: EvalContext, args: dict, nvme_path: str) -> str:
+def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     m, c, w = ctx.model, ctx.cluster, ctx.workload
     kind = distributed_type(plan, ctx)
     rows = [f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "

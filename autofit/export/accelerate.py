@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from autofit.errors import ExportError
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.export.common import checked, write_files
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
 
@@ -37,7 +37,7 @@ _MIXED_PRECISION = {
 }
 
 
-def distributed_type(plan: Plan, ctx: EvalContext) -> str:
+def distributed_type(plan: Plan, ctx: Target) -> str:
     if plan.engine == "deepspeed":
         return "DEEPSPEED"
     if plan.engine == "fsdp":
@@ -45,7 +45,7 @@ def distributed_type(plan: Plan, ctx: EvalContext) -> str:
     return "MULTI_GPU" if ctx.cluster.world_size > 1 else "NO"
 
 
-def accelerate_config(plan: Plan, ctx: EvalContext, deepspeed_config_file: str | None = None) -> dict[str, Any]:
+def accelerate_config(plan: Plan, ctx: Target, deepspeed_config_file: str | None = None) -> dict[str, Any]:
     """The accelerate config of ``plan``; DeepSpeed plans need the path of their ds_config.json.
 
     A relative ``deepspeed_config_file`` is read from the directory ``accelerate launch``
@@ -92,7 +92,7 @@ def accelerate_config(plan: Plan, ctx: EvalContext, deepspeed_config_file: str |
     return cfg
 
 
-def fsdp_config(plan: Plan, ctx: EvalContext) -> dict[str, Any]:
+def fsdp_config(plan: Plan, ctx: Target) -> dict[str, Any]:
     """FSDP2, full sharding per decoder layer, as the memory model assumes: parameters
     resharded after forward (two layers gathered at a time), optional CPU offload of
     parameters, gradients and optimizer states, checkpointing of each layer."""
@@ -119,13 +119,13 @@ def fsdp_config(plan: Plan, ctx: EvalContext) -> dict[str, Any]:
     }
 
 
-def accelerate_yaml(plan: Plan, ctx: EvalContext, deepspeed_config_file: str | None = None) -> str:
+def accelerate_yaml(plan: Plan, ctx: Target, deepspeed_config_file: str | None = None) -> str:
     import yaml
 
     return yaml.safe_dump(accelerate_config(plan, ctx, deepspeed_config_file), sort_keys=True)
 
 
-def write_accelerate_yaml(plan: Plan, ctx: EvalContext, path: str | os.PathLike,
+def write_accelerate_yaml(plan: Plan, ctx: Target, path: str | os.PathLike,
                           deepspeed_config_file: str | None = None) -> Path:
     """Write the accelerate config to ``path`` (atomically); returns the path."""
     path = Path(path)

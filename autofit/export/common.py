@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autofit.errors import ExportError
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import Plan, validate_plan
 
 DS_CONFIG_NAME = "ds_config.json"
@@ -47,7 +47,7 @@ def hyperparameters(plan: Plan) -> Hyperparameters:
     )
 
 
-def checked(plan: Plan, ctx: EvalContext) -> Plan:
+def checked(plan: Plan, ctx: Target) -> Plan:
     """The plan, validated against the target: an invalid plan has no faithful config files."""
     return validate_plan(plan, ctx.model, ctx.cluster, ctx.workload)
 

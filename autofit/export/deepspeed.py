@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.errors import ExportError
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.evaluators.costs import deepspeed_buckets
 from autofit.export.common import checked, hyperparameters
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
@@ -25,7 +25,7 @@ NVME_PATH = "/local_nvme"
 _NVME_PARAM_BUFFER = 10**8
 
 
-def deepspeed_config(plan: Plan, ctx: EvalContext, *, nvme_path: str = NVME_PATH) -> dict[str, Any]:
+def deepspeed_config(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict[str, Any]:
     """The complete DeepSpeed config of ``plan`` on ``ctx``'s cluster (DeepSpeed plans only)."""
     if plan.engine != "deepspeed":
         raise ExportError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
 from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precision
 from autofit.techniques import ATTN_IMPL, NF4_DOUBLE_QUANT, NF4_QUANT_TYPE, dtype_layout, half_dtype_name, lora_kwargs
@@ -40,7 +40,7 @@ LIGER_LOSS_ONLY = {
 }
 
 
-def trainer_args(plan: Plan, ctx: EvalContext, *, deepspeed_config_file: str = DS_CONFIG_NAME) -> dict[str, Any]:
+def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CONFIG_NAME) -> dict[str, Any]:
     """Everything the training script needs besides the launch config, JSON-serialisable."""
     checked(plan, ctx)
     hp = hyperparameters(plan)
@@ -129,7 +129,7 @@ def quantization_kwargs(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _data(plan: Plan, ctx: EvalContext) -> dict[str, Any]:
+def _data(plan: Plan, ctx: Target) -> dict[str, Any]:
     if plan.packing:
         return {
             "max_length": ctx.workload.seq_len,

@@ -6,6 +6,7 @@ Imports without torch.
 from autofit.specs.cluster import ClusterSpec, parse_cluster
 from autofit.specs.gpus import GPUS, GPUSpec, resolve_gpu
 from autofit.specs.models import FAMILIES, MODELS, ModelSpec, resolve_model
+from autofit.specs.target import Target
 from autofit.specs.workload import LengthDistribution, Workload, load_lengths
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LengthDistribution",
     "MODELS",
     "ModelSpec",
+    "Target",
     "Workload",
     "load_lengths",
     "parse_cluster",

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, DateTime, Double, ForeignKey, Index, Integer, MetaData, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from autofit.evaluators.base import MemoryAnatomy
+from autofit.results import MemoryAnatomy
 
 TABLE_PREFIX = "autofit_"
 VERSION_TABLE = "autofit_alembic_version"  # Optuna's Alembic owns the default "alembic_version"

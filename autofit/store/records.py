@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.specs import Target
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
 from autofit.plan import Plan
 
 
@@ -60,7 +61,7 @@ class StudyRecord:
     def global_batch(self) -> int:
         return int(self.workload["global_batch"])
 
-    def context(self) -> EvalContext:
+    def context(self) -> Target:
         """The request's target rebuilt from what was stored (for resume and export)."""
         from autofit.specs import ClusterSpec, LengthDistribution, ModelSpec, Workload, resolve_gpu
 
@@ -80,7 +81,7 @@ class StudyRecord:
             hist = tuple((int(n), int(k)) for n, k in w["lengths"]["histogram"])
             lengths = LengthDistribution(hist, w["lengths"].get("source", ""))
         workload = Workload(seq_len=int(w["seq_len"]), global_batch=int(w["global_batch"]), lengths=lengths)
-        return EvalContext(ModelSpec(**spec), cluster, workload, self.headroom)
+        return Target(ModelSpec(**spec), cluster, workload, self.headroom)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -21,7 +21,18 @@ if TYPE_CHECKING:
     from alembic.script import ScriptDirectory
     from sqlalchemy.engine import Connection
 
-SCRIPT_LOCATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
+def _script_location() -> str:
+    """The Alembic scripts: ``migrations/`` beside ``autofit/`` in a source checkout, shipped
+    inside the wheel as the package ``autofit.migrations`` (see ``pyproject.toml``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("autofit.migrations")
+    if spec is not None and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "migrations")
+
+
+SCRIPT_LOCATION = _script_location()
 
 # Concurrent first opens of one PostgreSQL database wait for each other on this lock.
 _PG_LOCK_KEY = zlib.crc32(b"autofit-migrations")

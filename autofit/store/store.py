@@ -31,7 +31,8 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from autofit.errors import PlanError, StoreError
-from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.specs import Target
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
 from autofit.plan import Plan
 from autofit.store import schema
 from autofit.store.models import ANATOMY_COLUMNS, VERSION_TABLE, StudyModel, TrialModel, utcnow
@@ -249,7 +250,7 @@ def _canonical_allowed(allowed: Mapping[str, Iterable[Any]] | None) -> dict[str,
     return {k: sorted({str(getattr(v, "value", v)) for v in values}) for k, values in sorted((allowed or {}).items())}
 
 
-def request_key(ctx: EvalContext, *, backend: str, allowed: Mapping[str, Iterable[Any]] | None = None) -> str:
+def request_key(ctx: Target, *, backend: str, allowed: Mapping[str, Iterable[Any]] | None = None) -> str:
     """The identity of a search request: equal keys would find the same answer.
 
     Model fingerprint (not its name), cluster, workload (the length histogram, not the
@@ -673,7 +674,7 @@ class Store:
     @retrying
     def create_study(
         self,
-        ctx: EvalContext,
+        ctx: Target,
         *,
         backend: str,
         allowed: Mapping[str, Iterable[Any]] | None = None,

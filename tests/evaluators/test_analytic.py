@@ -4,7 +4,7 @@ import pytest
 
 from autofit.evaluators import costs
 from autofit.evaluators.analytic import AnalyticEvaluator, estimate, logits_bytes, state_bytes
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import Plan
 from autofit.specs import MODELS, Workload, parse_cluster
 from tests.conftest import tiny
@@ -80,7 +80,7 @@ def test_logits_of_the_default_loss_and_of_a_chunked_loss():
 
 
 def test_checkpointing_trades_memory_for_time():
-    ctx = EvalContext(MODELS["mistral-7b"], parse_cluster("1xA100-80GB"), Workload(seq_len=4096, global_batch=4))
+    ctx = Target(MODELS["mistral-7b"], parse_cluster("1xA100-80GB"), Workload(seq_len=4096, global_batch=4))
     base = Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=4, fused_loss=True)
     a, b = estimate(base, ctx), estimate(base.replace(checkpointing="full"), ctx)
     assert b.memory.activations < a.memory.activations / 5
@@ -88,7 +88,7 @@ def test_checkpointing_trades_memory_for_time():
 
 
 def test_evaluator_judges_fit_against_headroom():
-    ctx = EvalContext(MODELS["mistral-7b"], parse_cluster("1xA10"), Workload(seq_len=2048, global_batch=1))
+    ctx = Target(MODELS["mistral-7b"], parse_cluster("1xA10"), Workload(seq_len=2048, global_batch=1))
     r = AnalyticEvaluator().evaluate(Plan(precision="bf16-mixed"), ctx)
     assert r.status.value == "oom" and "over the" in r.reason and r.memory.device_total > ctx.capacity_bytes
     q = AnalyticEvaluator().evaluate(
@@ -129,7 +129,7 @@ def measure(spec, plan, workload):
 def test_analytic_peak_matches_a_real_cpu_step(family, plan):
     spec = tiny(family)
     workload = Workload(seq_len=256, global_batch=2)
-    ctx = EvalContext(spec, parse_cluster("1xcpu"), workload)
+    ctx = Target(spec, parse_cluster("1xcpu"), workload)
     real = measure(spec, plan, workload)
     est = estimate(plan, ctx).memory
     assert est.peak_allocated == pytest.approx(real.peak, rel=0.04)
@@ -144,6 +144,6 @@ def test_one_layer_activations_itemized_exactly():
     workload = Workload(seq_len=256, global_batch=2)
     plan = Plan(precision="bf16-true", micro_batch=2)
     real = measure(spec, plan, workload)
-    est = estimate(plan, EvalContext(spec, parse_cluster("1xcpu"), workload)).memory
+    est = estimate(plan, Target(spec, parse_cluster("1xcpu"), workload)).memory
     assert est.activations == pytest.approx(real.components["activations"], rel=0.005)
     assert est.logits == pytest.approx(real.components["logits"], rel=0.005)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from autofit.evaluators.base import EvalContext, Status
+from autofit.specs import Target
+from autofit.results import Status
 from autofit.evaluators.measured import local_gpus
 from autofit.plan import Plan
 from autofit.specs import Workload, parse_cluster
@@ -31,11 +32,11 @@ PLANS = {
 }
 
 
-def gpu_ctx() -> EvalContext:
+def gpu_ctx() -> Target:
     # a model big enough that the allocator's rounding and the CUDA context are not the whole story
     spec = tiny("mistral-7b", layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16, head_dim=64,
                 vocab_size=8000)
-    return EvalContext(spec, parse_cluster(f"1x{GPUS[0].name}"), Workload(seq_len=512, global_batch=4))
+    return Target(spec, parse_cluster(f"1x{GPUS[0].name}"), Workload(seq_len=512, global_batch=4))
 
 
 def test_auto_measures_on_the_local_gpu():

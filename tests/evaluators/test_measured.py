@@ -14,10 +14,11 @@ import pytest
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator, resolve_backend
 from autofit.evaluators.analytic import estimate
-from autofit.evaluators.base import EvalContext, Status
+from autofit.specs import Target
+from autofit.results import Status
 from autofit.evaluators.measured import MeasuredEvaluator, alive, child_env, not_measurable
 from autofit.plan import Plan
-from autofit.request import with_cpu_budget
+from autofit.search.request import with_cpu_budget
 from autofit.specs import LengthDistribution, Workload, parse_cluster
 from autofit.specs.gpus import match_gpu
 from tests.conftest import tiny
@@ -28,10 +29,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def cpu_ctx(gpus: str = "1xcpu", budget: str = "1GiB", seq_len: int = 128, global_batch: int = 4,
-            model: str = "mistral-7b", headroom: float = 0.05, lengths=None) -> EvalContext:
+            model: str = "mistral-7b", headroom: float = 0.05, lengths=None) -> Target:
     cluster = with_cpu_budget(parse_cluster(gpus), budget)
     workload = Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths)
-    return EvalContext(tiny(model), cluster, workload, headroom)
+    return Target(tiny(model), cluster, workload, headroom)
 
 
 # a dataset of mostly short sequences: padded micro-batches carry padding that tokens/s must not count
@@ -68,7 +69,7 @@ def test_backends_measured_and_auto():
 
     here = {g.name for g in local_gpus() if g is not None}
     absent = next(name for name in GPUS if name not in here)
-    gpu = EvalContext(tiny("mistral-7b"), parse_cluster(f"1x{absent}"), Workload(seq_len=128, global_batch=4))
+    gpu = Target(tiny("mistral-7b"), parse_cluster(f"1x{absent}"), Workload(seq_len=128, global_batch=4))
     assert resolve_backend("auto", gpu) == "simulated"  # this machine has no such GPU
     with pytest.raises(AutofitError, match=f"needs 1x{absent} on this machine"):
         resolve_backend("measured", gpu)
@@ -278,8 +279,8 @@ def test_the_pruner_stops_a_running_trial_through_the_search_objective(tmp_path)
     the row is stored as pruned by the pruner and the Optuna trial ends PRUNED."""
     import optuna
 
-    from autofit.search import SearchRequest, _Objective
-    from autofit.space import Allowed, SearchSpace
+    from autofit.search.loop import SearchRequest, _Objective
+    from autofit.search.space import Allowed, SearchSpace
     from autofit.store import Store
 
     ctx = cpu_ctx()

@@ -15,11 +15,12 @@ import time
 import pytest
 
 from autofit.evaluators.analytic import estimate
-from autofit.evaluators.base import EvalContext, Status
+from autofit.specs import Target
+from autofit.results import Status
 from autofit.evaluators.measured import MeasuredEvaluator, alive
 from autofit.export import export_files
 from autofit.plan import Plan
-from autofit.request import with_cpu_budget
+from autofit.search.request import with_cpu_budget
 from autofit.specs import Workload, parse_cluster
 from tests.conftest import tiny
 
@@ -29,9 +30,9 @@ MiB = 2**20
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def ctx_for(gpus: str, budget: str = "1GiB", headroom: float = 0.05, **workload) -> EvalContext:
+def ctx_for(gpus: str, budget: str = "1GiB", headroom: float = 0.05, **workload) -> Target:
     wl = {"seq_len": 64, "global_batch": 8, **workload}
-    return EvalContext(tiny("mistral-7b"), with_cpu_budget(parse_cluster(gpus), budget), Workload(**wl), headroom)
+    return Target(tiny("mistral-7b"), with_cpu_budget(parse_cluster(gpus), budget), Workload(**wl), headroom)
 
 
 def session_members(sid: int) -> list[int]:
@@ -134,8 +135,8 @@ def test_a_hanging_two_rank_launch_leaves_no_process():
 
 def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
     """A measured search whose first three (enqueued) plans crash, hang and run out of memory."""
-    from autofit.search import SearchRequest, candidates, run_search, screen
-    from autofit.space import Allowed, SearchSpace
+    from autofit.search.loop import SearchRequest, candidates, run_search, screen
+    from autofit.search.space import Allowed, SearchSpace
     from autofit.store import Store
 
     ctx = ctx_for("1xcpu", budget="1GiB", seq_len=256)

@@ -19,11 +19,11 @@ import pytest
 from autofit.evaluators import costs
 from autofit.evaluators import runtime as rt
 from autofit.evaluators.analytic import estimate, state_bytes
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.evaluators.simulated import (
     SimulatedEvaluator,
-    Target,
+    TraceDevice,
     TraceCache,
     TraceKey,
     cuda_kernels_mode,
@@ -68,7 +68,7 @@ def check(family, plan, seq_len=128, lengths=None, layers=2):
     spec = tiny(family, layers=layers)
     workload = Workload(seq_len=seq_len, global_batch=plan.micro_batch * plan.grad_accum, lengths=lengths)
     real = measure(spec, plan, workload)
-    trace = run_trace(spec, plan, workload, Target("cpu"))
+    trace = run_trace(spec, plan, workload, TraceDevice("cpu"))
     assert_matches(real, trace)
     return real, trace
 
@@ -198,8 +198,8 @@ def test_cuda_target_traces_cuda_kernels():
     spec = tiny("gpt2")
     wl = Workload(seq_len=128, global_batch=2)
     plan = Plan(precision="bf16-true", micro_batch=2)
-    cpu = run_trace(spec, plan, wl, Target("cpu"))
-    a100 = run_trace(spec, plan, wl, Target("cuda", (8, 0)))
+    cpu = run_trace(spec, plan, wl, TraceDevice("cpu"))
+    a100 = run_trace(spec, plan, wl, TraceDevice("cuda", (8, 0)))
     # GPT-2 trains with dropout: the CPU runs sdpa's math kernel and keeps masks in bf16,
     # an A100 runs flash attention (out + logsumexp) and keeps bool masks
     assert "_scaled_dot_product_flash_attention" in traced_ops(a100)
@@ -213,7 +213,7 @@ def test_checkpoint_recompute_runs_the_target_kernels():
     # kernels are entered again for the recompute in backward
     spec = tiny("gpt2")
     wl = Workload(seq_len=128, global_batch=2)
-    tr = run_trace(spec, Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full"), wl, Target("cuda", (8, 0)))
+    tr = run_trace(spec, Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full"), wl, TraceDevice("cuda", (8, 0)))
     assert "_scaled_dot_product_flash_attention" in traced_ops(tr, "backward")  # the recompute
     assert "native_dropout" in traced_ops(tr, "backward")
 
@@ -224,8 +224,8 @@ def test_same_kernels_trace_the_same_bytes_on_both_targets():
     spec = tiny("llama-2-7b")
     wl = Workload(seq_len=128, global_batch=2)
     plan = Plan(precision="bf16-true", micro_batch=2)
-    cpu = run_trace(spec, plan, wl, Target("cpu"))
-    gpu = run_trace(spec, plan, wl, Target("cuda", (9, 0)))
+    cpu = run_trace(spec, plan, wl, TraceDevice("cpu"))
+    gpu = run_trace(spec, plan, wl, TraceDevice("cuda", (9, 0)))
     rng_state = 2 * 512 * spec.num_layers
     assert gpu.peak_components["activations"] - cpu.peak_components["activations"] == rng_state
     assert {k: v for k, v in gpu.peak_components.items() if k != "activations"} == \
@@ -234,12 +234,12 @@ def test_same_kernels_trace_the_same_bytes_on_both_targets():
 
 def test_flash2_stand_in():
     spec = tiny("mistral-7b")
-    ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2))
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2))
     ev = SimulatedEvaluator(TraceCache())
     sdpa = ev.evaluate(Plan(precision="bf16-true", micro_batch=2), ctx)
     fa2 = ev.evaluate(Plan(precision="bf16-true", micro_batch=2, attention="flash2"), ctx)
     assert fa2.fits and fa2.memory.peak_allocated == sdpa.memory.peak_allocated  # FA2 saves what sdpa-flash saves
-    packed_ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2, lengths=LENGTHS))
+    packed_ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2, lengths=LENGTHS))
     padded = ev.evaluate(Plan(precision="bf16-true", micro_batch=2, attention="flash2"), packed_ctx)
     packed = ev.evaluate(Plan(precision="bf16-true", micro_batch=2, attention="flash2", packing=True), packed_ctx)
     assert padded.fits and packed.fits
@@ -253,7 +253,7 @@ def test_sharding_divides_traced_states_as_the_engine_does():
     wl = Workload(seq_len=128, global_batch=8)
     ev = SimulatedEvaluator(TraceCache())
     cluster = parse_cluster("4xA100")
-    ctx = EvalContext(spec, cluster, wl)
+    ctx = Target(spec, cluster, wl)
     for stage in ("zero1", "zero2", "zero3", "fsdp"):
         plan = Plan(precision="bf16-mixed", sharding=stage, micro_batch=2)
         r = ev.evaluate(plan, ctx)
@@ -271,27 +271,27 @@ def test_memoization_key():
     cache = TraceCache()
     ev = SimulatedEvaluator(cache)
     wl = Workload(seq_len=128, global_batch=8)
-    ctx = EvalContext(spec, parse_cluster("1xA10"), wl)
+    ctx = Target(spec, parse_cluster("1xA10"), wl)
     base = Plan(precision="bf16-mixed", micro_batch=2, grad_accum=4)
     r1 = ev.evaluate(base, ctx)
-    r2 = ev.evaluate(base, EvalContext(spec, parse_cluster("1xA10"), wl, headroom=0.2))  # headroom: same trace
-    r3 = ev.evaluate(base, EvalContext(spec, parse_cluster("1xRTX3090"), wl))  # sm86 too: same kernels
+    r2 = ev.evaluate(base, Target(spec, parse_cluster("1xA10"), wl, headroom=0.2))  # headroom: same trace
+    r3 = ev.evaluate(base, Target(spec, parse_cluster("1xRTX3090"), wl))  # sm86 too: same kernels
     assert (cache.misses, cache.hits) == (1, 2)
     assert r1.memory == r2.memory and r2.extra["trace_reused"]
     assert r3.throughput.tokens_per_sec != r1.throughput.tokens_per_sec  # other rates, same trace
     ev.evaluate(base.replace(micro_batch=4, grad_accum=2), ctx)  # a different step
     assert cache.misses == 2
-    k = TraceKey.of(base, spec, wl, Target("cuda", (8, 6)))
-    assert k == TraceKey.of(base.replace(grad_accum=8), spec, wl, Target("cuda", (8, 6)))  # ≥2 micro-batches: same
-    assert k != TraceKey.of(base.replace(grad_accum=1), spec, wl, Target("cuda", (8, 6)))
-    assert k != TraceKey.of(base, spec, wl, Target("cuda", (9, 0)))
+    k = TraceKey.of(base, spec, wl, TraceDevice("cuda", (8, 6)))
+    assert k == TraceKey.of(base.replace(grad_accum=8), spec, wl, TraceDevice("cuda", (8, 6)))  # ≥2 micro-batches: same
+    assert k != TraceKey.of(base.replace(grad_accum=1), spec, wl, TraceDevice("cuda", (8, 6)))
+    assert k != TraceKey.of(base, spec, wl, TraceDevice("cuda", (9, 0)))
 
 
 def test_a_trace_that_fails_is_a_failed_trial():
     # Gemma-2 has no sdpa path: transformers refuses it while the model is built (plan
     # validation would catch it first; the evaluator alone must not raise)
     spec = tiny("gemma-2-9b")
-    ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=64, global_batch=2))
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=64, global_batch=2))
     r = SimulatedEvaluator(TraceCache()).evaluate(Plan(precision="bf16-true", micro_batch=2, attention="sdpa"), ctx)
     assert r.status.value == "failed" and r.memory is None
     assert r.reason.startswith("ValueError: Gemma2ForCausalLM does not support") and "\n" not in r.reason
@@ -302,7 +302,7 @@ def test_traced_flops_match_the_model():
     spec = tiny("llama-2-7b", layers=4)
     seq, mb = 128, 2
     wl = Workload(seq_len=seq, global_batch=mb)
-    tr = run_trace(spec, Plan(precision="bf16-true", micro_batch=mb), wl, Target("cuda", (8, 0)))
+    tr = run_trace(spec, Plan(precision="bf16-true", micro_batch=mb), wl, TraceDevice("cuda", (8, 0)))
     tokens = mb * seq
     linear = spec.linear_params() + spec.vocab_size * spec.hidden_size
     # causal flash: q·kᵀ and p·v over half the keys, forward 2·2 and backward 2·2.5 of that
@@ -314,7 +314,7 @@ def test_traced_flops_match_the_model():
 
 def test_simulated_and_analytic_agree_on_a_plain_plan():
     spec = tiny("llama-2-7b", layers=4)
-    ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2))
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=128, global_batch=2))
     plan = Plan(precision="bf16-true", micro_batch=2)
     sim = SimulatedEvaluator(TraceCache()).evaluate(plan, ctx)
     ana = estimate(plan, ctx)
@@ -346,7 +346,7 @@ def test_cli_json_has_the_analytic_schema():
 def test_auto_backend_is_simulated_without_local_gpus():
     from autofit.evaluators import resolve_backend
 
-    ctx = EvalContext(tiny("gpt2"), parse_cluster("2xA10"), Workload(seq_len=64, global_batch=2))
+    ctx = Target(tiny("gpt2"), parse_cluster("2xA10"), Workload(seq_len=64, global_batch=2))
     assert resolve_backend("auto", ctx) == "simulated"
 
 
@@ -367,7 +367,7 @@ ANALYTIC_PLANS = [
 def test_analytic_agrees_with_simulated_on_a_cuda_target(family, plan):
     """Closed form vs traced step for an A100, tiny llama-family models (tied and untied)."""
     spec = tiny(family, layers=3)
-    ctx = EvalContext(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=plan.micro_batch))
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=plan.micro_batch))
     sim = SimulatedEvaluator(_ANALYTIC_CACHE).evaluate(plan, ctx).memory
     ana = estimate(plan, ctx).memory
     assert ana.peak_allocated == pytest.approx(sim.peak_allocated, rel=0.04)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -18,7 +18,7 @@ from autofit.plan import (
     Sharding,
     plan_problems,
 )
-from autofit.request import build_context
+from autofit.search.request import build_context
 
 # (model, gpus per node, nodes, global batch, seq_len): every family, bf16 and fp16-only
 # GPUs, one GPU (offload-only sharding), several GPUs, two nodes.
@@ -34,12 +34,12 @@ TARGETS = {
 }
 
 
-def target(name: str) -> EvalContext:
+def target(name: str) -> Target:
     model, gpus, nodes, global_batch, seq_len = TARGETS[name]
     return build_context(model, gpus, nodes=nodes, global_batch=global_batch, seq_len=seq_len)
 
 
-def sweep(ctx: EvalContext) -> Iterator[Plan]:
+def sweep(ctx: Target) -> Iterator[Plan]:
     """Every valid combination of method, precision, optimizer, sharding and offload on ``ctx``;
     the secondary knobs (micro-batch, attention, checkpointing, packing, fused loss) rotate."""
     world = ctx.cluster.world_size
@@ -70,7 +70,7 @@ def sweep(ctx: EvalContext) -> Iterator[Plan]:
             yield plan
 
 
-def all_sweep_plans() -> list[tuple[str, EvalContext, Plan]]:
+def all_sweep_plans() -> list[tuple[str, Target, Plan]]:
     out = []
     for name in TARGETS:
         ctx = target(name)
@@ -103,7 +103,7 @@ GOLDEN = {
 }
 
 
-def golden(name: str) -> tuple[EvalContext, Plan]:
+def golden(name: str) -> tuple[Target, Plan]:
     (model, gpus, nodes, global_batch, seq_len), plan = GOLDEN[name]
     return build_context(model, gpus, nodes=nodes, global_batch=global_batch, seq_len=seq_len), Plan(**plan)
 

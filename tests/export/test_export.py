@@ -173,7 +173,7 @@ def test_export_imports_without_torch():
         "import sys\n"
         "from autofit.export import export_files\n"
         "from autofit.plan import Plan\n"
-        "from autofit.request import build_context\n"
+        "from autofit.search.request import build_context\n"
         "ctx = build_context('llama-3-8b', '2xA100', global_batch=16)\n"
         "export_files(Plan(method='qlora', lora_rank=8, micro_batch=1, grad_accum=8, sharding='zero3'), ctx)\n"
         "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'accelerate', 'peft') if m in sys.modules]\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.evaluators.costs import deepspeed_buckets
 from autofit.export import export_plan
 from autofit.plan import Plan
@@ -41,7 +41,7 @@ def _accelerate() -> list[str]:
 @pytest.mark.slow
 def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path):
     spec = tiny("mistral-7b")
-    ctx = EvalContext(spec, parse_cluster("2xA10"), Workload(seq_len=32, global_batch=8))
+    ctx = Target(spec, parse_cluster("2xA10"), Workload(seq_len=32, global_batch=8))
     plan = Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", attention="sdpa")
     out = tmp_path / "export"
     export_plan(plan, ctx, out)

@@ -31,12 +31,12 @@ def assert_one_line_130(r):
 
 
 def test_ctrl_c_during_screening_marks_the_study_interrupted(tmp_path, monkeypatch):
-    import autofit.search
+    import autofit.search.loop
 
     def interrupted_screen(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(autofit.search, "screen", interrupted_screen)
+    monkeypatch.setattr(autofit.search.loop, "screen", interrupted_screen)
     db = f"sqlite:///{tmp_path / 'a.db'}"
     r = CliRunner().invoke(cli, [*ARGS, "--db", db, "--quiet"])
     assert_one_line_130(r)
@@ -52,7 +52,7 @@ def test_ctrl_c_during_screening_marks_the_study_interrupted(tmp_path, monkeypat
 
 
 def test_a_second_ctrl_c_while_the_first_is_recorded_still_marks_the_study(tmp_path, monkeypatch):
-    import autofit.search
+    import autofit.search.loop
 
     real_finish = Store.finish_study
 
@@ -60,7 +60,7 @@ def test_a_second_ctrl_c_while_the_first_is_recorded_still_marks_the_study(tmp_p
         signal.raise_signal(signal.SIGINT)  # lands while the status is written
         return real_finish(self, study_id, status)
 
-    monkeypatch.setattr(autofit.search, "work", lambda *args, **kwargs: "interrupted")  # the first Ctrl-C
+    monkeypatch.setattr(autofit.search.loop, "work", lambda *args, **kwargs: "interrupted")  # the first Ctrl-C
     monkeypatch.setattr(Store, "finish_study", second_ctrl_c)
     db = f"sqlite:///{tmp_path / 'b.db'}"
     r = CliRunner().invoke(cli, [*ARGS, "--db", db, "--quiet"])

@@ -83,7 +83,7 @@ def test_seq_len_has_a_ceiling():
 
 
 def test_cpu_budget_cannot_exceed_the_machine(monkeypatch):
-    from autofit.request import with_cpu_budget
+    from autofit.search.request import with_cpu_budget
     from autofit.specs import gpus
 
     monkeypatch.setattr(gpus, "physical_memory_bytes", lambda: 8 * gpus.GiB)

@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, Status, TrialResult
+from autofit.specs import Target
+from autofit.results import Status, TrialResult
 from autofit.plan import Plan
 from autofit.specs import LengthDistribution, Workload, parse_cluster, resolve_model
 
 ALLOWED = {"methods": ["lora", "full", "qlora"], "optimizers": ["adamw"], "precisions": ["bf16-mixed"]}
 
 
-def gpt2_ctx(seq_len: int = 1024, global_batch: int = 32) -> EvalContext:
-    return EvalContext(resolve_model("gpt2"), parse_cluster("1xA10"), Workload(seq_len=seq_len, global_batch=global_batch))
+def gpt2_ctx(seq_len: int = 1024, global_batch: int = 32) -> Target:
+    return Target(resolve_model("gpt2"), parse_cluster("1xA10"), Workload(seq_len=seq_len, global_batch=global_batch))
 
 
-def llama_ctx() -> EvalContext:
+def llama_ctx() -> Target:
     """A 2-GPU target with a length distribution, so every JSON field has content."""
     lengths = LengthDistribution(((200, 30), (900, 50), (2048, 20)), "lengths.json")
-    return EvalContext(
+    return Target(
         resolve_model("llama-3.2-1b"), parse_cluster("2xA10"), Workload(seq_len=2048, global_batch=16, lengths=lengths)
     )
 
 
-def gpt2_results(ctx: EvalContext) -> list[TrialResult]:
+def gpt2_results(ctx: Target) -> list[TrialResult]:
     """[fast fit, slow fit, OOM (faster than both), pruned without an anatomy]."""
     ev = AnalyticEvaluator()
     gb = ctx.workload.global_batch
@@ -42,7 +43,7 @@ def gpt2_results(ctx: EvalContext) -> list[TrialResult]:
     return [fast, slow, oom, pruned]
 
 
-def llama_results(ctx: EvalContext) -> list[TrialResult]:
+def llama_results(ctx: Target) -> list[TrialResult]:
     ev = AnalyticEvaluator()
     plans = [
         Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=8, checkpointing="full"),

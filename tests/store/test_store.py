@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from autofit.errors import StoreError
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import MemoryAnatomy, Status
+from autofit.results import MemoryAnatomy, Status
 from autofit.plan import Plan
 from autofit.store import Store, StudyStatus, default_path, request_key, resolve_url
 from autofit.store.models import ANATOMY_COLUMNS, StudyModel, TrialModel

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from autofit.calibration import MIN_PAIRS, from_store, learn, robust_centre
+from autofit.search.calibration import MIN_PAIRS, from_store, learn, robust_centre
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status
+from autofit.specs import Target
+from autofit.results import MemoryAnatomy, Status
 from autofit.plan import Plan
 from autofit.specs import MODELS, Workload, parse_cluster
 from autofit.store import Store
@@ -35,7 +36,7 @@ def scaled(result, k_mem, k_tps, evaluator="measured"):
 
 
 def test_learned_factors_recover_the_gap_and_correct_predictions():
-    ctx = EvalContext(MODELS["llama-3.2-1b"], parse_cluster("1xA100-80GB"), Workload(seq_len=1024, global_batch=8))
+    ctx = Target(MODELS["llama-3.2-1b"], parse_cluster("1xA100-80GB"), Workload(seq_len=1024, global_batch=8))
     ev = AnalyticEvaluator()
     plans = [Plan(method="lora", lora_rank=16, micro_batch=mb, grad_accum=8 // mb) for mb in (1, 2, 4, 8)]
     predictions = [ev.evaluate(p, ctx) for p in plans]
@@ -51,7 +52,7 @@ def test_learned_factors_recover_the_gap_and_correct_predictions():
     assert sum(fixed.memory.components.values()) == fixed.memory.device_total
     assert learn(pairs[: MIN_PAIRS - 1], "A100-80GB", "analytic") is None
     # a correction can turn a predicted fit into a predicted OOM
-    big = EvalContext(ctx.model, ctx.cluster, ctx.workload, headroom=0.05)
+    big = Target(ctx.model, ctx.cluster, ctx.workload, headroom=0.05)
     tight = dataclasses.replace(cal, factors={**cal.factors, "device_total": 100.0})
     assert tight.apply(predictions[0], big).status is Status.OOM
 

@@ -3,8 +3,8 @@ import pytest
 
 from autofit.errors import SpecError
 from autofit.plan import Method, Offload, Optimizer, Precision, Sharding
-from autofit.request import build_context
-from autofit.space import Allowed, SearchSpace, check_space
+from autofit.search.request import build_context
+from autofit.search.space import Allowed, SearchSpace, check_space
 
 
 def space(model="mistral-7b", gpus="2xA10", global_batch=16, allowed=None, **kw):

@@ -1,4 +1,4 @@
-"""From what a user typed to the library's frozen objects: EvalContext and Plan.
+"""From what a user typed to the library's frozen objects: Target and Plan.
 
 Shared by every command that takes a model, GPUs and a workload, so that the same words
 mean the same thing in ``estimate``, ``search`` and ``best``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.errors import PlanError, SpecError
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import Plan, Precision
 from autofit.specs import ClusterSpec, Workload, load_lengths, parse_cluster, resolve_model
 from autofit.specs.units import parse_size
@@ -25,7 +25,7 @@ def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) 
 
 def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int | None = None, seq_len: int = 2048,
                   global_batch: int | None = None, lengths_path: str | None = None, headroom: float = 0.05,
-                  plan_opts: dict[str, Any] | None = None, cpu_mem_budget: str | int | None = None) -> EvalContext:
+                  plan_opts: dict[str, Any] | None = None, cpu_mem_budget: str | int | None = None) -> Target:
     """The request's target. Without --global-batch, a given micro-batch × grad-accum defines it.
 
     ``cpu_mem_budget`` (``--gpus Nxcpu`` only): the memory of each CPU rank, the budget every
@@ -44,7 +44,7 @@ def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int 
     lengths = load_lengths(lengths_path) if lengths_path else None
     if not 0 <= headroom < 1:
         raise SpecError(f"--headroom must be in [0, 1), got {headroom}")
-    return EvalContext(spec, cluster, Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths), headroom)
+    return Target(spec, cluster, Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths), headroom)
 
 
 def with_cpu_budget(cluster: ClusterSpec, budget: str | int) -> ClusterSpec:
@@ -77,7 +77,7 @@ def default_precision(cluster: ClusterSpec) -> Precision:
     return Precision.BF16_MIXED if cluster.gpu.supports_bf16 else Precision.FP16_MIXED
 
 
-def build_plan(ctx: EvalContext, **opts: Any) -> Plan:
+def build_plan(ctx: Target, **opts: Any) -> Plan:
     """A Plan from CLI options; unset knobs get defaults that are valid for the target."""
     opts = {k: v for k, v in opts.items() if v is not None}
     opts.setdefault("precision", default_precision(ctx.cluster))

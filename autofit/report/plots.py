@@ -1,6 +1,6 @@
 """Figures of a study, drawn with matplotlib's object API on the Agg canvas (no pyplot, no
 global backend switch), written as PNG and SVG. Formatting only: every value drawn comes
-from :mod:`autofit.analysis` (stored results, analytic evaluations).
+from :mod:`autofit.report.analysis` (stored results, analytic evaluations).
 
 matplotlib is imported lazily (``pip install 'autofit[plot]'``); the colour of each
 anatomy component is fixed here and used by every figure and by the HTML report.
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.evaluators.base import COMPONENTS
+from autofit.results import COMPONENTS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from autofit.analysis import AnatomyGroup, Effects, Standing
-    from autofit.evaluators.base import EvalContext
+    from autofit.report.analysis import AnatomyGroup, Effects, Standing
+    from autofit.specs import Target
 
 GiB = 2**30
 
@@ -73,7 +73,7 @@ def _wrap(text: str, width: int = 30) -> str:
     return "\n".join(textwrap.wrap(text, width=width, break_long_words=False)) or text
 
 
-def _capacity_lines(ax, ctx: "EvalContext", horizontal: bool = True) -> None:
+def _capacity_lines(ax, ctx: "Target", horizontal: bool = True) -> None:
     line = ax.axhline if horizontal else ax.axvline
     cap, budget = ctx.capacity_bytes / GiB, ctx.budget_bytes / GiB
     line(cap, color=CAPACITY_COLOR, lw=1.4, label=f"{ctx.cluster.gpu.name} capacity {cap:.1f} GiB")
@@ -82,7 +82,7 @@ def _capacity_lines(ax, ctx: "EvalContext", horizontal: bool = True) -> None:
 
 
 # -- (a) memory anatomy --------------------------------------------------------------------------
-def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "EvalContext") -> "Figure":
+def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "Target") -> "Figure":
     """Stacked bars of the seven components per plan, every evaluation of a plan side by
     side (prediction, measurement), against the GPU's capacity and the fit budget."""
     matplotlib, Figure = _mpl()
@@ -181,7 +181,7 @@ def tradeoff_figure(standing: "Standing") -> "Figure":
 
 
 # -- (c) technique effects -----------------------------------------------------------------------
-def effects_figure(effects: "Effects", ctx: "EvalContext", subject: str = "the winner") -> "Figure":
+def effects_figure(effects: "Effects", ctx: "Target", subject: str = "the winner") -> "Figure":
     """One bar pair per toggled technique: Δ device memory (GiB) and Δ tokens/s (%)."""
     matplotlib, Figure = _mpl()
     toggles = effects.toggles

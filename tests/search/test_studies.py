@@ -3,13 +3,13 @@ import glob
 import pytest
 
 from autofit.errors import SpecError
-from autofit.studies import load_study_file
+from autofit.search.studies import load_study_file
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("studies/*.yaml")))
 def test_example_studies_load_and_build(path):
-    from autofit.request import build_context
-    from autofit.space import Allowed, SearchSpace
+    from autofit.search.request import build_context
+    from autofit.search.space import Allowed, SearchSpace
 
     data = load_study_file(path)
     ctx = build_context(data["model"], data["gpus"], seq_len=data.get("seq_len", 2048),

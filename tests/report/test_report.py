@@ -8,9 +8,10 @@ import sys
 import pytest
 from rich.console import Console
 
-from autofit import analysis, report
-from autofit.search import SearchRequest, run_search
-from autofit.space import Allowed
+from autofit.report import analysis
+from autofit.report import console as report
+from autofit.search.loop import SearchRequest, run_search
+from autofit.search.space import Allowed
 from tests.showcase import search_request
 
 
@@ -201,7 +202,7 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
     for table in ("anatomy", "best-per-method", "runners-up", "losses", "technique-effects", "trials"):
         assert f'<table id="{table}"' in page
     assert page.count('<tr class="winner">') == 1
-    from autofit.plots import COMPONENT_COLORS
+    from autofit.report.plots import COMPONENT_COLORS
 
     swatches = re.findall(r'<span class="swatch" style="background:(#\w+)"></span>(\w+)', page)
     assert dict((comp, color) for color, comp in swatches) == COMPONENT_COLORS  # the plots' colours
@@ -226,7 +227,7 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
 
 
 def test_without_the_exporter_the_report_says_so(fitting_study, monkeypatch):
-    from autofit import htmlreport
+    from autofit.report import html as htmlreport
 
     with fitting_study.store() as store:
         rec = store.get_study(fitting_study.name)
@@ -244,7 +245,7 @@ def test_without_the_exporter_the_report_says_so(fitting_study, monkeypatch):
 
 
 def test_a_study_where_nothing_fits_reports_the_closest_plan(hopeless_study, tmp_path):
-    from autofit.htmlreport import write_report
+    from autofit.report.html import write_report
 
     with hopeless_study.store() as store:
         files = write_report(store, hopeless_study.name, tmp_path)
@@ -259,7 +260,7 @@ def test_a_study_where_nothing_fits_reports_the_closest_plan(hopeless_study, tmp
 
 @pytest.mark.postgres
 def test_the_report_reads_postgresql_too(pg_url, tmp_path, monkeypatch):
-    from autofit.htmlreport import write_report
+    from autofit.report.html import write_report
     from autofit.store import Store
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # the figures are tested on SQLite; this is about reading
@@ -271,7 +272,7 @@ def test_the_report_reads_postgresql_too(pg_url, tmp_path, monkeypatch):
 
 
 def test_without_matplotlib_the_report_keeps_the_tables(fitting_study, tmp_path, monkeypatch):
-    from autofit.htmlreport import write_report
+    from autofit.report.html import write_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if autofit[plot] were not installed
     with fitting_study.store() as store:

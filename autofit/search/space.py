@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 from autofit.errors import SpecError
-from autofit.evaluators.base import EvalContext
+from autofit.specs import Target
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -90,7 +90,7 @@ class Allowed:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    ctx: EvalContext
+    ctx: Target
     allowed: Allowed = field(default_factory=Allowed)
     # a fused loss only where one process runs the plain model: what the measured backend can
     # run without Liger (the chunked loss calls the model body outside DDP/DeepSpeed/FSDP)

@@ -6,14 +6,14 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from autofit import analysis
-from autofit.evaluators.base import COMPONENTS
+from autofit.report import analysis
+from autofit.results import COMPONENTS
 
 pytest.importorskip("matplotlib")
 
 from matplotlib.colors import to_rgba  # noqa: E402
 
-from autofit import plots  # noqa: E402
+from autofit.report import plots  # noqa: E402
 
 GiB = 2**30
 

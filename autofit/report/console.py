@@ -12,14 +12,15 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from autofit.evaluators.base import COMPONENTS, EvalContext, TrialResult
+from autofit.results import COMPONENTS, TrialResult
+from autofit.specs import Target
 from autofit.specs import GPUSpec, ModelSpec
 
 GiB = 2**30
 PIPE_WIDTH = 160  # columns for tables written to a pipe or file (rich's default is 80)
 
 
-def console(stderr: bool = False, quiet: bool = False) -> Console:
+def terminal(stderr: bool = False, quiet: bool = False) -> Console:
     """A console for our output: the terminal's width on a terminal, else wide enough for the tables."""
     import sys
 
@@ -60,7 +61,7 @@ def anatomy_table(result: TrialResult, title: str | None = None) -> Table:
     return table
 
 
-def print_estimate(console: Console, result: TrialResult, ctx: EvalContext) -> None:
+def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     console.print(
         f"[bold]{ctx.model.name}[/bold] ({human_count(ctx.model.n_params)} params) on "
         f"[bold]{ctx.cluster.label}[/bold] · seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch}"
@@ -328,7 +329,7 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
     return data
 
 
-def winner_line(best: TrialResult, ctx: EvalContext) -> str:
+def winner_line(best: TrialResult, ctx: Target) -> str:
     t, m = best.throughput, best.memory
     return (f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
             f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)}) · "

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from autofit.evaluators.base import Status
-from autofit.request import build_context
-from autofit.search import SearchRequest, candidates, run_search, screen
-from autofit.space import Allowed, SearchSpace
+from autofit.results import Status
+from autofit.search.request import build_context
+from autofit.search.loop import SearchRequest, candidates, run_search, screen
+from autofit.search.space import Allowed, SearchSpace
 
 
 def request(model="gpt2", gpus="1xA10", trials=12, seq_len=1024, global_batch=8, **allowed):
@@ -141,7 +141,7 @@ def test_a_space_smaller_than_the_budget_is_exhausted_not_looped(store):
 
 
 def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
-    from autofit.search import warm_start
+    from autofit.search.loop import warm_start
 
     first = run_search(request(global_batch=8), store)
     new = request(global_batch=12)  # a new workload: micro-batches must divide 12 now
@@ -154,7 +154,7 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     assert 12 % plan.micro_batch == 0
     # the same request again: the past winner is also the screen's first pick, and the queue
     # still holds as many distinct plans as a cold start's
-    from autofit.search import ENQUEUE_MAX, prepare_search
+    from autofit.search.loop import ENQUEUE_MAX, prepare_search
 
     again, _ = prepare_search(request(global_batch=8), store, fresh=True)
     study = __import__("optuna").load_study(study_name=again.optuna_study_name, storage=store.optuna_storage())
@@ -177,7 +177,7 @@ def test_a_measured_study_searches_and_enqueues_only_plans_it_can_measure(store)
     import optuna
 
     from autofit.evaluators.measured import not_measurable
-    from autofit.search import prepare_search
+    from autofit.search.loop import prepare_search
     from tests.conftest import tiny
 
     ctx = build_context("gpt2", "2xcpu", seq_len=256, global_batch=16, cpu_mem_budget="120MiB")
@@ -212,7 +212,7 @@ class _Replay:
 def test_warm_start_keeps_the_tokens_per_micro_batch_when_the_sequence_grows(store):
     import optuna
 
-    from autofit.search import warm_start
+    from autofit.search.loop import warm_start
 
     old = run_search(request(global_batch=8, seq_len=512), store).best.plan
     assert old.micro_batch >= 2  # else keeping the micro-batch and keeping the tokens agree
@@ -225,7 +225,7 @@ def test_warm_start_keeps_the_tokens_per_micro_batch_when_the_sequence_grows(sto
 def test_a_warm_plan_predicted_not_to_fit_the_new_workload_is_not_enqueued(store, monkeypatch):
     import optuna
 
-    from autofit import search
+    from autofit.search import loop as search
 
     req = request(trials=12)
     scored = screen(SearchSpace(req.ctx, req.allowed))

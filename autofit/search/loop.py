@@ -41,13 +41,15 @@ from dataclasses import dataclass, field
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from autofit import calibration
+from autofit.search import calibration
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, MemoryAnatomy, Status, StepReport, Throughput, TrialResult
+from autofit.specs import Target
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.evaluators.base import StepReport
 from autofit.plan import Method, Plan
-from autofit.space import Allowed, SearchSpace
+from autofit.search.space import Allowed, SearchSpace
 
 DEFAULT_TRIALS = {"analytic": 40, "simulated": 8, "measured": 12}
 ENQUEUE_MAX = 6
@@ -60,7 +62,7 @@ SCREEN_MARGIN = {"measured": 0.05}
 
 @dataclass(frozen=True)
 class SearchRequest:
-    ctx: EvalContext
+    ctx: Target
     allowed: Allowed = field(default_factory=Allowed)
     backend: str = "analytic"  # resolved: analytic | simulated | measured
     trials: int = 40
@@ -124,7 +126,7 @@ class SearchOutcome:
 Progress = Callable[[str, dict[str, Any]], None]
 
 
-def _constraint(result: TrialResult, ctx: EvalContext) -> list[float]:
+def _constraint(result: TrialResult, ctx: Target) -> list[float]:
     """Optuna's convention: <= 0 is feasible. Relative excess of device and host memory."""
     if result.memory is None or result.status in (Status.FAILED, Status.TIMEOUT):
         return [1.0, 1.0]
@@ -135,7 +137,7 @@ def _constraint(result: TrialResult, ctx: EvalContext) -> list[float]:
     ]
 
 
-def _set_constraints(trial, result: TrialResult, ctx: EvalContext) -> None:
+def _set_constraints(trial, result: TrialResult, ctx: Target) -> None:
     device, host = _constraint(result, ctx)
     trial.set_constraint("device_memory", device)
     trial.set_constraint("host_memory", host)
@@ -272,7 +274,7 @@ def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
     return [(p, r) for p, r in scored if not not_measurable(r.plan, request.ctx, device)]
 
 
-def _may_fit(predicted: TrialResult, ctx: EvalContext, margin: float) -> bool:
+def _may_fit(predicted: TrialResult, ctx: Target, margin: float) -> bool:
     """Fits, or is over the budget by no more than ``margin`` of it (device and host)."""
     if predicted.fits:
         return True
@@ -813,7 +815,7 @@ def what_it_would_take(request: SearchRequest, closest: TrialResult | None) -> l
     ctx = request.ctx
     out: list[str] = []
 
-    def fits_with(ctx2: EvalContext, allowed: Allowed | None = None) -> TrialResult | None:
+    def fits_with(ctx2: Target, allowed: Allowed | None = None) -> TrialResult | None:
         try:
             space = SearchSpace(ctx2, allowed or request.allowed)
         except AutofitError:

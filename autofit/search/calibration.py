@@ -16,7 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
-from autofit.evaluators.base import COMPONENTS, EvalContext, MemoryAnatomy, Status, TrialResult, judge
+from autofit.results import COMPONENTS, MemoryAnatomy, Status, TrialResult, judge
+from autofit.specs import Target
 
 TENSORS = tuple(c for c in COMPONENTS if c != "overhead")
 KEYS = (*TENSORS, "peak_allocated", "device_total", "tokens_per_sec")
@@ -44,7 +45,7 @@ class Calibration:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def apply(self, result: TrialResult, ctx: EvalContext) -> TrialResult:
+    def apply(self, result: TrialResult, ctx: Target) -> TrialResult:
         """A calibrated copy of a prediction (re-judged for fit); raw figures kept in ``extra``."""
         if result.evaluator != self.evaluator or result.memory is None:
             return result
@@ -107,7 +108,7 @@ def from_store(store, gpu: str, evaluator: str) -> Calibration | None:
     return learn(pairs, gpu, evaluator)
 
 
-def for_context(ctx: EvalContext, evaluator: str, db_url: str | None = None) -> Calibration | None:
+def for_context(ctx: Target, evaluator: str, db_url: str | None = None) -> Calibration | None:
     """The calibration for a one-off estimate: only from a database that already exists
     (an estimate never creates the default database just to look for pairs)."""
     import os

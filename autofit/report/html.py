@@ -1,7 +1,7 @@
 """``autofit report``: one self-contained HTML page per study, with its plots beside it.
 
-:func:`write_report` reads a study back from the store, asks :mod:`autofit.analysis` for
-the answer and the technique effects, draws the figures (:mod:`autofit.plots`), exports
+:func:`write_report` reads a study back from the store, asks :mod:`autofit.report.analysis` for
+the answer and the technique effects, draws the figures (:mod:`autofit.report.plots`), exports
 the winner's config files into a temporary directory to show them inline, and writes
 ``report.html`` plus each figure as PNG and SVG into the output directory. The page
 embeds the PNGs as ``data:`` URIs and carries its CSS inline: it needs no network, no
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from autofit.errors import AutofitError, ReportError
-from autofit.evaluators.base import COMPONENTS, EvalContext, TrialResult
+from autofit.results import COMPONENTS, TrialResult
+from autofit.specs import Target
 
 GiB = 2**30
 REPORT_NAME = "report.html"
@@ -51,12 +52,12 @@ class ReportFiles:
     study: str
     out_dir: Path
     html: Path
-    plots: tuple[Any, ...] = ()  # autofit.plots.PlotFile
+    plots: tuple[Any, ...] = ()  # autofit.report.plots.PlotFile
     configs: tuple[str, ...] = ()  # names of the exported files shown inline
     notes: tuple[str, ...] = ()  # sections left out, each with its reason
     best: TrialResult | None = None
-    standing: Any = None  # autofit.analysis.Standing
-    effects: Any = None  # autofit.analysis.Effects
+    standing: Any = None  # autofit.report.analysis.Standing
+    effects: Any = None  # autofit.report.analysis.Effects
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -140,8 +141,8 @@ details{margin:.4rem 0}summary{cursor:pointer;font-weight:600}code{font-family:u
 """
 
 
-def _anatomy_rows(results: Sequence[TrialResult], ctx: EvalContext) -> list[list[str]]:
-    from autofit.plots import COMPONENT_COLORS
+def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[str]]:
+    from autofit.report.plots import COMPONENT_COLORS
 
     rows = []
     for comp in COMPONENTS:
@@ -163,10 +164,10 @@ def _anatomy_rows(results: Sequence[TrialResult], ctx: EvalContext) -> list[list
     return rows
 
 
-def render_html(rec, ctx: EvalContext, trials: Sequence[Any], standing, effects, plots: Sequence[Any],
+def render_html(rec, ctx: Target, trials: Sequence[Any], standing, effects, plots: Sequence[Any],
                 configs: dict[str, str] | None, notes: Sequence[str], db_url: str) -> str:
     """The page. ``plots`` are PlotFiles (their PNGs are embedded); ``configs`` name -> text."""
-    from autofit.report import loss_text, why
+    from autofit.report.console import loss_text, why
 
     best = standing.best
     p = _Page()
@@ -305,7 +306,7 @@ def optuna_commands(rec, db_url: str) -> str:
             f"optuna trials --study-name {shlex.quote(rec.optuna_study_name or '')} --storage '{db_url}'")
 
 
-def _configs(best: TrialResult, ctx: EvalContext) -> tuple[dict[str, str] | None, str | None]:
+def _configs(best: TrialResult, ctx: Target) -> tuple[dict[str, str] | None, str | None]:
     """The winner's exported files as {name: text}, or a note saying why they are missing."""
     try:
         from autofit.export import export_plan
@@ -321,7 +322,7 @@ def _configs(best: TrialResult, ctx: EvalContext) -> tuple[dict[str, str] | None
 
 def write_report(store, study: str | int, out_dir: str | Path) -> ReportFiles:
     """Write ``report.html`` and the figures (PNG + SVG) of ``study`` into ``out_dir``."""
-    from autofit import analysis
+    from autofit.report import analysis
 
     rec = store.get_study(study)
     trials = store.trials(rec.id)
@@ -337,7 +338,7 @@ def write_report(store, study: str | int, out_dir: str | Path) -> ReportFiles:
     notes: list[str] = []
     plots: list[Any] = []
     try:
-        from autofit import plots as plotting
+        from autofit.report import plots as plotting
 
         plots = plotting.write_plots(standing, effects, out)
     except ImportError as exc:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import EvalContext, Status, TrialResult
+from autofit.specs import Target
+from autofit.results import Status, TrialResult
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding, plan_problems
 from autofit.store import FIDELITY  # how faithful each evaluator is: a measurement overrides predictions
 
@@ -56,7 +57,7 @@ class Standing:
     prediction can be shown beside its measurement.
     """
 
-    ctx: EvalContext
+    ctx: Target
     results: tuple[TrialResult, ...]
     ranked: tuple[TrialResult, ...]  # fitting plans, fastest first; ranked[0] is the winner
     best_per_method: dict[str, TrialResult]
@@ -156,7 +157,7 @@ def pareto_front(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
 _NUMBER = re.compile(r"\d[\d,]*(\.\d+)?")
 
 
-def reason_class(r: TrialResult, ctx: EvalContext) -> str:
+def reason_class(r: TrialResult, ctx: Target) -> str:
     """A reason that many plans share (numbers removed), to say why most of them lost."""
     if r.fits:
         return "slower than the winner"
@@ -173,7 +174,7 @@ def reason_class(r: TrialResult, ctx: EvalContext) -> str:
     return _NUMBER.sub("N", text)[:100]
 
 
-def standing(results: Iterable[TrialResult], ctx: EvalContext) -> Standing:
+def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
     chosen, evaluations = authoritative(results)
     ranked = tuple(sorted((r for r in chosen if r.fits and r.throughput), key=lambda r: -r.tokens_per_sec))
     per_method: dict[str, TrialResult] = {}
@@ -243,7 +244,7 @@ def _allowed_list(allowed: Mapping[str, Sequence[Any]] | None, key: str, default
     return values or list(default)
 
 
-def _candidates(plan: Plan, ctx: EvalContext, allowed: Mapping[str, Sequence[Any]] | None
+def _candidates(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
                 ) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
     """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
     invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
@@ -297,7 +298,7 @@ def _candidates(plan: Plan, ctx: EvalContext, allowed: Mapping[str, Sequence[Any
             plan.replace(packing=not plan.packing), []
 
 
-def technique_effects(plan: Plan, ctx: EvalContext, allowed: Mapping[str, Sequence[Any]] | None = None) -> Effects:
+def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None = None) -> Effects:
     """Toggle one technique at a time from ``plan`` and evaluate each variant analytically.
 
     Quality-affecting choices (method, LoRA rank, optimizer, precision) are toggled only to

@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from autofit.cli import cli
-from autofit.request import build_context
-from autofit.search import SearchRequest, prepare_search
-from autofit.space import Allowed
+from autofit.search.request import build_context
+from autofit.search.loop import SearchRequest, prepare_search
+from autofit.search.space import Allowed
 from autofit.store import Store
-from autofit.workers import gpu_subsets
+from autofit.search.workers import gpu_subsets
 
 
 def make_study(db_url, trials, global_batch=8):

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from autofit import analysis
+from autofit.report import analysis
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.evaluators.base import Status
+from autofit.results import Status
 from autofit.plan import Checkpointing, Method, Offload, Plan, Sharding, plan_problems
 
 

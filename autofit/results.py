@@ -1,0 +1,163 @@
+"""What an evaluation returns: the memory anatomy, the throughput, the status (DESIGN.md's vocabulary).
+
+Every layer above the evaluators reads these types (the store keeps them, the search ranks
+them, reports draw them), so they live below all of them. Imports without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from autofit.plan import Plan
+from autofit.specs import Target
+
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead")
+TOTALS = ("peak_allocated", "peak_reserved", "device_total")
+
+
+class Status(str, Enum):
+    FITS = "fits"
+    OOM = "oom"
+    PRUNED = "pruned"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class MemoryAnatomy:
+    """Per-rank memory at the peak moment, in bytes (DESIGN.md's vocabulary).
+
+    The six tensor components sum to ``peak_allocated``; ``overhead`` is what the
+    allocator, the CUDA context and NCCL add on top, so all seven sum to ``device_total``.
+    ``host_bytes`` is host memory per node the plan needs (offload + processes).
+    """
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporary: int
+    logits: int
+    overhead: int
+    peak_allocated: int
+    peak_reserved: int
+    device_total: int
+    host_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MemoryAnatomy":
+        return cls(**{f.name: int(d.get(f.name, 0) or 0) for f in dataclasses.fields(cls)})
+
+    @property
+    def components(self) -> dict[str, int]:
+        return {c: getattr(self, c) for c in COMPONENTS}
+
+    @property
+    def bottleneck(self) -> str:
+        return bottleneck(self.components)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_sec: float  # effective: real (non-padding) tokens of the whole cluster
+    step_time_s: float  # one optimizer step
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    offload_s: float = 0.0
+    flops_per_step: float = 0.0  # per rank
+    mfu: float = 0.0  # model FLOPs utilization of the rank's dense peak
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Throughput":
+        return cls(**{f.name: float(d.get(f.name, 0.0) or 0.0) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    plan: Plan
+    status: Status
+    evaluator: str
+    memory: MemoryAnatomy | None = None
+    throughput: Throughput | None = None
+    capacity_bytes: int = 0
+    reason: str = ""  # why it is oom / pruned / failed, in one line
+    duration_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.status is Status.FITS
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.throughput.tokens_per_sec if self.throughput else 0.0
+
+    def embedded_prediction(self) -> "TrialResult | None":
+        """The estimate a measured result was screened by, stored inside it (the stored pair)."""
+        p = self.extra.get("predicted") if self.extra else None
+        if not p or not p.get("memory"):
+            return None
+        return TrialResult(
+            plan=self.plan, status=Status(p["status"]), evaluator=p["evaluator"],
+            memory=MemoryAnatomy.from_dict(p["memory"]),
+            throughput=Throughput.from_dict(p["throughput"]) if p.get("throughput") else None,
+            capacity_bytes=self.capacity_bytes, reason=p.get("reason", ""),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON schema of ``autofit estimate --json`` (and of stored results)."""
+        return {
+            "plan": self.plan.as_dict(),
+            "plan_id": self.plan.plan_id,
+            "status": self.status.value,
+            "evaluator": self.evaluator,
+            "memory": self.memory.as_dict() if self.memory else None,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "bottleneck": self.memory.bottleneck if self.memory else None,
+            "throughput": self.throughput.as_dict() if self.throughput else None,
+            "reason": self.reason,
+            "duration_s": self.duration_s,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+
+def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
+    """Fits when ``device_total <= capacity × (1 - headroom)`` and the host has room."""
+    budget = ctx.budget_bytes
+    if memory.device_total > budget:
+        over = memory.device_total - budget
+        return Status.OOM, (
+            f"needs {memory.device_total / 2**30:.2f} GiB per GPU, {over / 2**30:.2f} GiB over the "
+            f"{budget / 2**30:.2f} GiB budget ({ctx.cluster.gpu.name}, {ctx.headroom:.0%} headroom); "
+            f"{memory.bottleneck}"
+        )
+    if memory.host_bytes > ctx.cluster.host_memory_bytes:
+        return Status.OOM, (
+            f"needs {memory.host_bytes / 2**30:.1f} GiB of host memory per node for offload, "
+            f"the node has {ctx.cluster.host_memory_bytes / 2**30:.0f} GiB (--host-mem)"
+        )
+    return Status.FITS, ""
+
+
+def bottleneck(components: dict[str, float]) -> str:
+    """``activation-bound``, ``optimizer-bound`` or ``weight-bound``: what dominates the peak."""
+    groups = {
+        "activation-bound": components.get("activations", 0) + components.get("logits", 0)
+        + components.get("temporary", 0),
+        "optimizer-bound": components.get("optimizer", 0) + components.get("gradients", 0),
+        "weight-bound": components.get("weights", 0),
+    }
+    return max(groups, key=lambda k: groups[k])
