@@ -292,6 +292,13 @@ class ModelSpec:
         d["hf_extra"] = dict(self.hf_extra)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        """The inverse of :meth:`as_dict`, also after a JSON round trip (lists back to tuples)."""
+        kw = dict(d)
+        kw["hf_extra"] = tuple((k, _tuples(v)) for k, v in (kw.get("hf_extra") or {}).items())
+        return cls(**kw)
+
     @property
     def fingerprint(self) -> str:
         """Stable hash of what decides memory and time (the name is left out)."""
@@ -677,3 +684,10 @@ def _quiet_logger(name: str):
         yield
     finally:
         logger.setLevel(level)
+
+
+def _tuples(value: Any) -> Any:
+    """JSON turns the tuples of ``ModelSpec.hf_extra`` into lists; turn them back."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

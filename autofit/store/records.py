@@ -65,8 +65,6 @@ class StudyRecord:
         """The request's target rebuilt from what was stored (for resume and export)."""
         from autofit.specs import ClusterSpec, LengthDistribution, ModelSpec, Workload, resolve_gpu
 
-        spec = dict(self.model_spec)
-        spec["hf_extra"] = tuple((k, _tuples(v)) for k, v in (spec.get("hf_extra") or {}).items())
         c = self.cluster
         cluster = ClusterSpec(
             gpu=resolve_gpu(c["gpu"]),
@@ -81,7 +79,7 @@ class StudyRecord:
             hist = tuple((int(n), int(k)) for n, k in w["lengths"]["histogram"])
             lengths = LengthDistribution(hist, w["lengths"].get("source", ""))
         workload = Workload(seq_len=int(w["seq_len"]), global_batch=int(w["global_batch"]), lengths=lengths)
-        return Target(ModelSpec(**spec), cluster, workload, self.headroom)
+        return Target(ModelSpec.from_dict(self.model_spec), cluster, workload, self.headroom)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,13 +104,6 @@ class StudyRecord:
             "updated_at": _iso(self.updated_at),
             "finished_at": _iso(self.finished_at),
         }
-
-
-def _tuples(value: Any) -> Any:
-    """JSON turns the tuples of ``ModelSpec.hf_extra`` into lists; turn them back."""
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
 
 
 @dataclass(frozen=True)
