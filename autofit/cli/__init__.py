@@ -1,4 +1,10 @@
-"""The ``autofit`` command: thin click shells over the library (parse -> one call -> report)."""
+"""The ``autofit`` command: thin click shells over the library.
+
+Each command parses its options (``options.py`` holds the shared stacks), makes one
+library call and hands the result to ``autofit.report.console`` to print; library errors
+become one line and an exit code here, at the edge, and nowhere else. The top layer:
+may import everything below it, and nothing in autofit imports it.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""Evaluators: one interface (``base.Evaluator``), several fidelities.
+"""Evaluators: one interface (``base.Evaluator``), three fidelities (analytic, simulated,
+measured), and ``evaluate(plan, target)`` that validates a plan and picks the most faithful
+evaluator available.
 
-Torch is imported only by the fidelities that build models (simulated, measured).
+May import results, export (the measured evaluator launches the exported files),
+techniques, plan and specs; never the store, the search, the report or the CLI. Torch is
+imported only by the fidelities that build models (simulated, measured).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 (``console``: progress, tables, JSON), the figures (``plots``) and the HTML page
 (``html``).
 
-Reads stored results and may call the analytic evaluator and the exporter; never the
-search loop or the CLI.
+Formatting only: every value shown comes from stored results or an evaluator's call.
+May import every layer below it (search, store, evaluators, export, results, specs);
+never the CLI.
 """

@@ -1,6 +1,9 @@
-"""What is trained (ModelSpec), on what (GPUSpec, ClusterSpec), on which data (Workload).
+"""What is trained (ModelSpec and the family facts), on what (GPUSpec, ClusterSpec), on
+which data (Workload), with which budget (Target), and how sizes and durations are written
+(units).
 
-Imports without torch.
+The bottom of the pipeline: may import only ``autofit.errors`` and the standard library
+(and PyYAML); imports without torch. Everything else builds on these frozen dataclasses.
 """
 
 from autofit.specs.cluster import ClusterSpec, parse_cluster
