@@ -17,12 +17,12 @@ import html
 import importlib.metadata
 import shlex
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from autofit.errors import AutofitError, ReportError
-from autofit.results import COMPONENTS, TrialResult
+from autofit.results import COMPONENTS, TOTALS, TrialResult
 from autofit.specs import Target
 
 GiB = 2**30
@@ -71,17 +71,6 @@ class ReportFiles:
             "standing": self.standing.as_dict() if self.standing is not None else None,
             "technique_effects": self.effects.as_dict() if self.effects is not None else None,
         }
-
-
-@dataclass
-class _Page:
-    parts: list[str] = field(default_factory=list)
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-
-    def __str__(self) -> str:
-        return "\n".join(self.parts)
 
 
 def _e(value: Any) -> str:
@@ -152,7 +141,7 @@ def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[str]
             value = getattr(r.memory, comp)
             row += [_gib(value), f"{value / r.memory.device_total:.1%}" if r.memory.device_total else ""]
         rows.append(row)
-    for total in ("peak_allocated", "peak_reserved", "device_total"):
+    for total in TOTALS:
         row = [f"<b>{total}</b>" if total == "device_total" else total]
         for r in results:
             row += [_gib(getattr(r.memory, total)), ""]
@@ -167,98 +156,156 @@ def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[str]
 def render_html(rec, ctx: Target, trials: Sequence[Any], standing, effects, plots: Sequence[Any],
                 configs: dict[str, str] | None, notes: Sequence[str], db_url: str) -> str:
     """The page. ``plots`` are PlotFiles (their PNGs are embedded); ``configs`` name -> text."""
-    from autofit.report.console import loss_text, why
+    sections = (
+        _header(rec, ctx, trials, standing),
+        _answer(rec, ctx, trials, standing),
+        _figures(plots, notes),
+        _tables(rec, ctx, trials, standing, effects),
+        _config_files(rec, configs, notes),
+        _looking_further(rec, db_url),
+    )
+    return "\n".join(part for section in sections for part in section)
+
+
+# -- the sections of the page, top to bottom; each returns its parts (the page joins them with newlines)
+def _header(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
+    """The document head (title, inline CSS), the title and the study line."""
+    title = f"autofit report: {rec.name}"
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(standing.counts().items()))
+    return [
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_CSS}</style></head><body>',
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="sub" id="study">{_e(ctx.model.name)} ({ctx.model.n_params / 1e9:.2f}B parameters) on '
+        f"{_e(ctx.cluster.label)} ({_gib(ctx.capacity_bytes)} GiB per GPU, {ctx.headroom:.0%} headroom) · "
+        f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {_e(rec.backend)} · "
+        f"study {_e(rec.status)} · {len(trials)} evaluations ({_e(counts)}) · created "
+        f"{rec.created_at:%Y-%m-%d %H:%M} UTC</p>",
+    ]
+
+
+def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
+    """The answer: the winner, or why there is none (no evaluations yet, or nothing fits)."""
+    from autofit.report.console import why
 
     best = standing.best
-    p = _Page()
-    title = f"autofit report: {rec.name}"
-    p.add(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-          f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_CSS}</style></head><body>')
-    p.add(f"<h1>{_e(title)}</h1>")
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(standing.counts().items()))
-    p.add(f'<p class="sub" id="study">{_e(ctx.model.name)} ({ctx.model.n_params / 1e9:.2f}B parameters) on '
-          f"{_e(ctx.cluster.label)} ({_gib(ctx.capacity_bytes)} GiB per GPU, {ctx.headroom:.0%} headroom) · "
-          f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {_e(rec.backend)} · "
-          f"study {_e(rec.status)} · {len(trials)} evaluations ({_e(counts)}) · created "
-          f"{rec.created_at:%Y-%m-%d %H:%M} UTC</p>")
-
-    # the answer
     if best is not None:
         t, m = best.throughput, best.memory
-        p.add(f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
-              f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
-              f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
-              f"(budget {_gib(ctx.budget_bytes)}) · {_e(m.bottleneck)} · evaluated by {_e(best.evaluator)} · "
-              f"plan {_e(best.plan.plan_id)}</p>")
-    elif not trials:
-        p.add(f'<p class="answer none" id="answer">This study has no evaluations yet ({_e(rec.status)}); '
-              f"continue it with <code>autofit search … --resume</code>.</p>")
-    else:
-        closest = standing.closest[0] if standing.closest else None
-        extra = ""
-        if closest is not None:
-            extra = (f"<br>Closest: <span class=plan>{_e(closest.plan.summary())}</span> needs "
-                     f"{_gib(closest.memory.device_total)} GiB per GPU ({_e(why(closest))})")
-        p.add(f'<p class="answer none" id="answer">No plan fits {_e(ctx.model.name)} on {_e(ctx.cluster.label)} '
-              f"at seq {ctx.workload.seq_len}.{extra}</p>")
+        return [f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
+                f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
+                f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
+                f"(budget {_gib(ctx.budget_bytes)}) · {_e(m.bottleneck)} · evaluated by {_e(best.evaluator)} · "
+                f"plan {_e(best.plan.plan_id)}</p>"]
+    if not trials:
+        return [f'<p class="answer none" id="answer">This study has no evaluations yet ({_e(rec.status)}); '
+                f"continue it with <code>autofit search … --resume</code>.</p>"]
+    closest = standing.closest[0] if standing.closest else None
+    extra = ""
+    if closest is not None:
+        extra = (f"<br>Closest: <span class=plan>{_e(closest.plan.summary())}</span> needs "
+                 f"{_gib(closest.memory.device_total)} GiB per GPU ({_e(why(closest))})")
+    return [f'<p class="answer none" id="answer">No plan fits {_e(ctx.model.name)} on {_e(ctx.cluster.label)} '
+            f"at seq {ctx.workload.seq_len}.{extra}</p>"]
 
-    # plots
-    p.add('<h2 id="plots">Plots</h2>')
+
+def _missing(notes: Sequence[str], section: str) -> list[str]:
+    """The notes of ``write_report`` that say why ``section`` ("plots", "configs") is missing."""
+    return [f'<p class="note" id="{section}-missing">{_e(note)}</p>' for note in notes if note.startswith(section)]
+
+
+def _figures(plots: Sequence[Any], notes: Sequence[str]) -> list[str]:
+    """Every figure, its PNG embedded as a ``data:`` URI, with links to the files beside the page."""
+    parts = ['<h2 id="plots">Plots</h2>']
     for plot in plots:
         data = base64.b64encode(Path(plot.png).read_bytes()).decode("ascii")
-        p.add(f'<figure id="figure-{_e(plot.name)}"><img id="plot-{_e(plot.name)}" alt="{_e(plot.title)}" '
-              f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} · files beside this page: '
-              f'<a href="{_e(plot.png.name)}">{_e(plot.png.name)}</a>, '
-              f'<a href="{_e(plot.svg.name)}">{_e(plot.svg.name)}</a></figcaption></figure>')
-    for note in notes:
-        if note.startswith("plots"):
-            p.add(f'<p class="note" id="plots-missing">{_e(note)}</p>')
+        parts.append(f'<figure id="figure-{_e(plot.name)}"><img id="plot-{_e(plot.name)}" alt="{_e(plot.title)}" '
+                     f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} · files beside this page: '
+                     f'<a href="{_e(plot.png.name)}">{_e(plot.png.name)}</a>, '
+                     f'<a href="{_e(plot.svg.name)}">{_e(plot.svg.name)}</a></figcaption></figure>')
+    return parts + _missing(notes, "plots")
 
-    # tables
-    p.add('<h2 id="tables">Tables</h2>')
+
+def _tables(rec, ctx: Target, trials: Sequence[Any], standing, effects) -> list[str]:
+    """The tables: anatomy, the standing of the methods, the losses, technique effects, every trial."""
+    return ['<h2 id="tables">Tables</h2>',
+            *_anatomy_table(ctx, standing),
+            *_method_tables(rec, standing),
+            *_losses_table(standing),
+            *_effects_table(effects),
+            _trials_table(trials, standing.best)]
+
+
+def _anatomy_table(ctx: Target, standing) -> list[str]:
+    """The memory anatomy of the winner (or the closest plan), one column pair per evaluation."""
     groups = standing.anatomy_subjects(1)
-    if groups:
-        g = groups[0]
-        header = ["component"]
-        for r in g.results:
-            header += [f"{r.evaluator} GiB", "share"]
-        what = "winner" if best is not None else "closest plan"
-        p.add(_table("anatomy", f"Memory anatomy of the {what}, per GPU: {g.plan.summary()}", header,
-                     _anatomy_rows(g.results, ctx), numeric=range(1, len(header)), raw=[0]))
-    if best is not None:
-        allowed = rec.allowed.get("methods") or []
-        rows = [[method, r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-                 f"{standing.speed_vs_best(r):.0%}", r.memory.bottleneck]
-                for method, r in standing.best_per_method.items()]
-        rows += [[m, "nothing of this method fits", "", "", "", ""] for m in allowed
-                 if m not in standing.best_per_method]
-        p.add(_table("best-per-method", "Best plan per method",
-                     ["method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"], rows, numeric=[2, 3, 4],
-                     wrap=[1]))
-        rows = [[f"#{i}", r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-                 f"{standing.speed_vs_best(r):.1%}", r.memory.bottleneck]
-                for i, r in enumerate(standing.runners_up(), start=2)]
-        if rows:
-            p.add(_table("runners-up", "Runners-up", ["rank", "plan", "device GiB", "tokens/s", "vs winner",
-                                                      "bottleneck"], rows, numeric=[0, 2, 3, 4], wrap=[1]))
-    if standing.losses:
-        rows = [[_status(loss.status), loss.count, *map(_e, loss_text(loss, standing))] for loss in standing.losses]
-        p.add(_table("losses", "Why the others lost", ["status", "plans", "most common reason", "closest to winning"],
-                     rows, numeric=[1], raw=[0, 2, 3], wrap=[2, 3]))
-    if effects is not None and effects.toggles:
-        b = effects.baseline
-        rows = [[t.label, "yes" if t.result.fits else "no", _gib(t.result.memory.device_total),
-                 f"{t.memory_delta / GiB:+.2f}", f"{t.result.tokens_per_sec:,.0f}",
-                 f"{(t.speed_ratio - 1) * 100:+.1f}%",
-                 t.result.memory.bottleneck] for t in effects.toggles]
-        p.add(_table("technique-effects", f"One technique at a time from {b.plan.summary()} (analytic: "
-                     f"{_gib(b.memory.device_total)} GiB, {b.tokens_per_sec:,.0f} tokens/s)",
-                     ["change", "fits", "device GiB", "Δ GiB", "tokens/s", "Δ tokens/s", "bottleneck"], rows,
-                     numeric=[2, 3, 4, 5], wrap=[0]))
-        if effects.skipped:
-            items = "".join(f"<li>{_e(label)}: {_e('; '.join(problems))}</li>" for label, problems in effects.skipped)
-            p.add(f'<details id="skipped-toggles"><summary>Changes that are not valid plans '
-                  f"({len(effects.skipped)})</summary><ul>{items}</ul></details>")
+    if not groups:
+        return []
+    g = groups[0]
+    header = ["component"]
+    for r in g.results:
+        header += [f"{r.evaluator} GiB", "share"]
+    what = "winner" if standing.best is not None else "closest plan"
+    return [_table("anatomy", f"Memory anatomy of the {what}, per GPU: {g.plan.summary()}", header,
+                   _anatomy_rows(g.results, ctx), numeric=range(1, len(header)), raw=[0])]
+
+
+def _method_tables(rec, standing) -> list[str]:
+    """The best plan per method and the runners-up; only where a plan fits."""
+    if standing.best is None:
+        return []
+    allowed = rec.allowed.get("methods") or []
+    rows = [[method, r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
+             f"{standing.speed_vs_best(r):.0%}", r.memory.bottleneck]
+            for method, r in standing.best_per_method.items()]
+    rows += [[m, "nothing of this method fits", "", "", "", ""] for m in allowed
+             if m not in standing.best_per_method]
+    parts = [_table("best-per-method", "Best plan per method",
+                    ["method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"], rows, numeric=[2, 3, 4],
+                    wrap=[1])]
+    rows = [[f"#{i}", r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
+             f"{standing.speed_vs_best(r):.1%}", r.memory.bottleneck]
+            for i, r in enumerate(standing.runners_up(), start=2)]
+    if rows:
+        parts.append(_table("runners-up", "Runners-up", ["rank", "plan", "device GiB", "tokens/s", "vs winner",
+                                                         "bottleneck"], rows, numeric=[0, 2, 3, 4], wrap=[1]))
+    return parts
+
+
+def _losses_table(standing) -> list[str]:
+    """Why the other plans lost, one row per status."""
+    from autofit.report.console import loss_text
+
+    if not standing.losses:
+        return []
+    rows = [[_status(loss.status), loss.count, *map(_e, loss_text(loss, standing))] for loss in standing.losses]
+    return [_table("losses", "Why the others lost", ["status", "plans", "most common reason", "closest to winning"],
+                   rows, numeric=[1], raw=[0, 2, 3], wrap=[2, 3])]
+
+
+def _effects_table(effects) -> list[str]:
+    """One technique toggled at a time (analytic), and the toggles that are not valid plans."""
+    if effects is None or not effects.toggles:
+        return []
+    b = effects.baseline
+    rows = [[t.label, "yes" if t.result.fits else "no", _gib(t.result.memory.device_total),
+             f"{t.memory_delta / GiB:+.2f}", f"{t.result.tokens_per_sec:,.0f}",
+             f"{(t.speed_ratio - 1) * 100:+.1f}%",
+             t.result.memory.bottleneck] for t in effects.toggles]
+    parts = [_table("technique-effects", f"One technique at a time from {b.plan.summary()} (analytic: "
+                    f"{_gib(b.memory.device_total)} GiB, {b.tokens_per_sec:,.0f} tokens/s)",
+                    ["change", "fits", "device GiB", "Δ GiB", "tokens/s", "Δ tokens/s", "bottleneck"], rows,
+                    numeric=[2, 3, 4, 5], wrap=[0])]
+    if effects.skipped:
+        items = "".join(f"<li>{_e(label)}: {_e('; '.join(problems))}</li>" for label, problems in effects.skipped)
+        parts.append(f'<details id="skipped-toggles"><summary>Changes that are not valid plans '
+                     f"({len(effects.skipped)})</summary><ul>{items}</ul></details>")
+    return parts
+
+
+def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> str:
+    """Every evaluation of the study; the winner's row is starred and highlighted."""
+    from autofit.report.console import why
+
     rows, winners = [], []
     for n, t in enumerate(trials):
         r = t.result()
@@ -270,33 +317,35 @@ def render_html(rec, ctx: Target, trials: Sequence[Any], standing, effects, plot
                      _gib(m.device_total) if m else "", _gib(m.peak_allocated) if m else "",
                      f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "",
                      f"{r.throughput.step_time_s:.2f}" if r.throughput else "", m.bottleneck if m else "", why(r)])
-    p.add(_table("trials", f"Every evaluation ({len(trials)})",
-                 ["#", "status", "evaluator", "plan", "device GiB", "peak_alloc GiB", "tokens/s", "s/step",
-                  "bottleneck", "why it lost"], rows, numeric=[0, 4, 5, 6, 7], raw=[1], wrap=[3, 9],
-                 winner_rows=winners))
+    return _table("trials", f"Every evaluation ({len(trials)})",
+                  ["#", "status", "evaluator", "plan", "device GiB", "peak_alloc GiB", "tokens/s", "s/step",
+                   "bottleneck", "why it lost"], rows, numeric=[0, 4, 5, 6, 7], raw=[1], wrap=[3, 9],
+                  winner_rows=winners)
 
-    # configs
-    p.add('<h2 id="configs">Config files of the winner</h2>')
+
+def _config_files(rec, configs: dict[str, str] | None, notes: Sequence[str]) -> list[str]:
+    """The winner's exported config files inline, or why they are missing."""
+    parts = ['<h2 id="configs">Config files of the winner</h2>']
     if configs:
-        p.add(f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
-              "launch them unchanged.</p>")
-        for name, text in configs.items():
-            p.add(f'<details open class="config"><summary>{_e(name)}</summary>'
-                  f"<pre><code>{_e(text)}</code></pre></details>")
-    for note in notes:
-        if note.startswith("configs"):
-            p.add(f'<p class="note" id="configs-missing">{_e(note)}</p>')
+        parts.append(f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
+                     "launch them unchanged.</p>")
+        parts += [f'<details open class="config"><summary>{_e(name)}</summary>'
+                  f"<pre><code>{_e(text)}</code></pre></details>" for name, text in configs.items()]
+    return parts + _missing(notes, "configs")
 
-    # where to look next
-    p.add('<h2 id="optuna">Looking further</h2>')
-    p.add(f"<p>The Optuna study of this search is <code>{_e(rec.optuna_study_name or '-')}</code> in "
-          f"<code>{_e(db_url)}</code>:</p><pre><code>{_e(optuna_commands(rec, db_url))}</code></pre>")
+
+def _looking_further(rec, db_url: str) -> list[str]:
+    """Where to look next (the Optuna study, commands), and the closing line with version and date."""
     version = importlib.metadata.version("autofit")
     written = datetime.datetime.now(datetime.timezone.utc)
-    p.add(f'<p class="sub">autofit {_e(version)} · written {written:%Y-%m-%d %H:%M} UTC · every figure comes from '
-          f"the store (study id {rec.id}) or, for the technique effects, from the analytic evaluator.</p>"
-          "</body></html>")
-    return str(p)
+    return [
+        '<h2 id="optuna">Looking further</h2>',
+        f"<p>The Optuna study of this search is <code>{_e(rec.optuna_study_name or '-')}</code> in "
+        f"<code>{_e(db_url)}</code>:</p><pre><code>{_e(optuna_commands(rec, db_url))}</code></pre>",
+        f'<p class="sub">autofit {_e(version)} · written {written:%Y-%m-%d %H:%M} UTC · every figure comes from '
+        f"the store (study id {rec.id}) or, for the technique effects, from the analytic evaluator.</p>"
+        "</body></html>",
+    ]
 
 
 def optuna_commands(rec, db_url: str) -> str:

@@ -42,7 +42,7 @@ STATUS_STYLE = {  # status -> (colour, marker)
 }
 CAPACITY_COLOR = "#B00020"
 BUDGET_COLOR = "#6A3D9A"
-EVALUATOR_HATCH = {"analytic": "", "simulated": "..", "measured": "//"}  # the evaluators of autofit.store.FIDELITY
+EVALUATOR_HATCH = {"analytic": "", "simulated": "..", "measured": "//"}  # one per evaluator of autofit.store.FIDELITY
 
 PLOTS = {  # file stem -> what it shows
     "memory-anatomy": "Memory anatomy of the winner and the runners-up",
@@ -89,33 +89,10 @@ def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "Target") -> "Figure":
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(max(7.0, 2.3 * len(groups) + 2.5), 5.6), layout="constrained")
         ax = fig.add_subplot()
-        ticks, ticklabels = [], []
         for gi, group in enumerate(groups):
-            n = len(group.results)
-            width = 0.75 / max(n, 1)
-            for ri, r in enumerate(group.results):
-                x = gi + (ri - (n - 1) / 2) * width
-                bottom = 0.0
-                for comp in COMPONENTS:
-                    value = getattr(r.memory, comp) / GiB
-                    ax.bar(x, value, width * 0.92, bottom=bottom, color=COMPONENT_COLORS[comp],
-                           hatch=EVALUATOR_HATCH[r.evaluator], edgecolor="white", linewidth=0.4,
-                           label=comp if (gi, ri) == (0, 0) else None, gid=f"bar-{gi}-{r.evaluator}-{comp}")
-                    bottom += value
-                note = f"{r.memory.device_total / GiB:.2f}"
-                if r.memory.host_bytes:
-                    note += f"\nhost {r.memory.host_bytes / GiB:.0f} GiB"
-                if not r.fits:
-                    note += f"\n{r.status.value}"
-                ax.annotate(note, (x, bottom), xytext=(0, 2), textcoords="offset points", ha="center",
-                            va="bottom", fontsize=7.5, color="#222222" if r.fits else CAPACITY_COLOR)
-                if n > 1:
-                    ax.annotate(r.evaluator, (x, 0), xytext=(0, -11), textcoords="offset points", ha="center",
-                                va="top", fontsize=7, color="#444444", annotation_clip=False)
-            ticks.append(gi)
-            ticklabels.append(f"{group.role}\n{_wrap(group.plan.summary())}")
+            _anatomy_bars(ax, gi, group)
         _capacity_lines(ax, ctx)
-        ax.set_xticks(ticks, ticklabels, fontsize=7.5)
+        ax.set_xticks(range(len(groups)), [f"{g.role}\n{_wrap(g.plan.summary())}" for g in groups], fontsize=7.5)
         ax.tick_params(axis="x", pad=16 if any(len(g.results) > 1 for g in groups) else 4)
         ax.set_ylabel("GiB per GPU (device_total)")
         ax.set_ylim(0, max([ctx.capacity_bytes / GiB * 1.08] + [
@@ -123,16 +100,49 @@ def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "Target") -> "Figure":
         ax.set_xlim(-0.6, len(groups) - 0.4)
         ax.set_title(f"Memory anatomy per GPU: {ctx.model.name} on {ctx.cluster.label}, "
                      f"seq {ctx.workload.seq_len}, global batch {ctx.workload.global_batch}")
-        handles, labels = ax.get_legend_handles_labels()
-        shown = sorted({r.evaluator for g in groups for r in g.results}, key=list(EVALUATOR_HATCH).index)
-        if len(shown) > 1:  # say which bar is a prediction and which a measurement
-            from matplotlib.patches import Patch
-
-            for ev in shown:
-                handles.append(Patch(facecolor="white", edgecolor="#444444", hatch=EVALUATOR_HATCH[ev]))
-                labels.append(ev)
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+        _anatomy_legend(ax, groups)
     return fig
+
+
+def _anatomy_bars(ax, gi: int, group: "AnatomyGroup") -> None:
+    """The stacked bars of one plan at x = ``gi``: one bar per evaluation, each annotated with
+    its total (host memory, the status where it does not fit) and, where several, its evaluator."""
+    n = len(group.results)
+    width = 0.75 / max(n, 1)
+    for ri, r in enumerate(group.results):
+        x = gi + (ri - (n - 1) / 2) * width
+        bottom = 0.0
+        for comp in COMPONENTS:
+            value = getattr(r.memory, comp) / GiB
+            ax.bar(x, value, width * 0.92, bottom=bottom, color=COMPONENT_COLORS[comp],
+                   hatch=EVALUATOR_HATCH[r.evaluator], edgecolor="white", linewidth=0.4,
+                   label=comp if (gi, ri) == (0, 0) else None, gid=f"bar-{gi}-{r.evaluator}-{comp}")
+            bottom += value
+        note = f"{r.memory.device_total / GiB:.2f}"
+        if r.memory.host_bytes:
+            note += f"\nhost {r.memory.host_bytes / GiB:.0f} GiB"
+        if not r.fits:
+            note += f"\n{r.status.value}"
+        ax.annotate(note, (x, bottom), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=7.5, color="#222222" if r.fits else CAPACITY_COLOR)
+        if n > 1:
+            ax.annotate(r.evaluator, (x, 0), xytext=(0, -11), textcoords="offset points", ha="center",
+                        va="top", fontsize=7, color="#444444", annotation_clip=False)
+
+
+def _anatomy_legend(ax, groups: Sequence["AnatomyGroup"]) -> None:
+    """The components, and, where plans were evaluated more than one way, the hatch of each evaluator."""
+    from autofit.store import FIDELITY  # lazily: the store pulls in SQLAlchemy
+
+    handles, labels = ax.get_legend_handles_labels()
+    shown = sorted({r.evaluator for g in groups for r in g.results}, key=FIDELITY.__getitem__)
+    if len(shown) > 1:  # say which bar is a prediction and which a measurement
+        from matplotlib.patches import Patch
+
+        for ev in shown:
+            handles.append(Patch(facecolor="white", edgecolor="#444444", hatch=EVALUATOR_HATCH[ev]))
+            labels.append(ev)
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
 
 
 # -- (b) memory vs tokens/s ----------------------------------------------------------------------

@@ -42,6 +42,16 @@ def test_every_component_has_its_own_colour():
     assert len({to_rgba(c) for c in plots.COMPONENT_COLORS.values()}) == len(COMPONENTS)
 
 
+def test_every_status_and_every_evaluator_has_its_own_style():
+    from autofit.results import Status
+    from autofit.store import FIDELITY
+
+    assert tuple(plots.STATUS_STYLE) == tuple(s.value for s in Status)
+    assert len(set(plots.STATUS_STYLE.values())) == len(Status)
+    assert tuple(plots.EVALUATOR_HATCH) == tuple(sorted(FIDELITY, key=FIDELITY.__getitem__))
+    assert len(set(plots.EVALUATOR_HATCH.values())) == len(FIDELITY)
+
+
 def test_anatomy_bars_stack_the_components_against_capacity_and_budget(tight_study):
     rec, st = standing_of(tight_study)
     groups = st.anatomy_subjects(4)
