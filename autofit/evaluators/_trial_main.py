@@ -1,50 +1,11 @@
-"""One rank of a measured trial: a short real training run of one plan.
+"""One rank of a measured trial: a short real training run of one plan (the child process).
 
 Started by :mod:`autofit.evaluators.measured` as ``python -m autofit.evaluators._trial_main
-SPEC`` (one process) or, for several ranks or an engine, under ``accelerate launch
---config_file <the exported accelerate_config.yaml> -m autofit.evaluators._trial_main SPEC``.
-``SPEC`` is the trial's JSON (see ``measured.trial_spec``); everything this process
-writes goes next to it:
-
-- ``progress.jsonl``: rank 0 appends one JSON line per step (step, tokens/s, peak so far);
-  the parent tails it and may stop the run (pruning).
-- ``rank-<r>.json``: every rank, always: its status (``completed``, ``oom``, ``failed``),
-  memory, and the error if any. Ranks write their own files because a rank that fails
-  cannot rely on the others to gather its story.
-- ``result.json``: rank 0, on success: timing, and every rank's memory (gathered).
-
-The step is :class:`autofit.evaluators.runtime.StepRunner`'s: the same model builder,
-optimizer, batches and loss the simulator and the tests use. Multi-rank plans hand the
-model and optimizer to the engine the launcher set up from the exported files
-(``accelerate.prepare``: DDP or DeepSpeed), with ``accelerator.accumulate`` and
-``accelerator.backward`` around each micro-batch as the Trainer does. A fused loss is
-Liger's kernel where it runs (CUDA, installed, a family it patches), applied as the
-Trainer applies ``use_liger_kernel``; elsewhere runtime's chunked loss, which holds one
-chunk of logits as Liger does.
-
-FSDP on the CPU: accelerate's state machine never selects FSDP without an accelerator
-device (``distributed_type`` stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the
-launcher's environment says FSDP (``ACCELERATE_USE_FSDP``, from the exported YAML) and
-accelerate did not set it up, this process installs the FSDP plugin read from that same
-environment (``FSDP_*``: the exported ``fsdp_config``) and switches the state to FSDP
-before ``prepare``, so accelerate's own FSDP2 path (``fully_shard`` per decoder layer,
-mixed-precision policy, activation checkpointing) runs over the gloo group the launcher
-created. The result records that it did (``engine.fsdp_applied_by``).
-
-Memory: on the CPU the :class:`~autofit.evaluators.memtrack.StorageTracker` is the
-measurement (the same tracker as the simulator's, which makes the two comparable) and
-enforces the per-rank budget by raising ``torch.OutOfMemoryError`` at the first
-allocation over it; it runs from before the model is built through the warm-up steps;
-the timed steps run without it so its Python-level bookkeeping does not slow them. The
-peak is reset after setup (as ``torch.cuda.reset_peak_memory_stats`` would be), so
-``peak_allocated`` is the training step's; the setup peak is kept beside it. On CUDA:
-``max_memory_allocated``/``max_memory_reserved`` over the warm-up and timed steps, the
-device-level figure from NVML (or ``mem_get_info``), and the anatomy from the tracker
-during the warm-up steps.
-
-A test-only hook, ``AUTOFIT_TEST_TRIAL_FAULT``, makes a rank misbehave for real at a
-step: ``crash@N`` raises, ``hang@N`` sleeps forever ignoring SIGTERM (the parent must
-escalate to SIGKILL). ``kind@N:PLAN_ID`` limits it to one plan; ``;`` separates several.
+SPEC`` (or under ``accelerate launch`` with the exported config); writes ``progress.jsonl``
+(rank 0), ``rank-<r>.json`` (every rank) and ``result.json`` (rank 0) next to ``SPEC`` and
+exits with ``EXIT_OOM`` on out-of-memory. Imports only the standard library at module
+level (torch, accelerate and autofit's runtime lazily), so the parent may import its
+protocol constants. The protocol and the design: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -58,6 +19,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +192,7 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     engine.update(_describe(acc, model, optimizer), **facts)
     engine["fsdp_applied_by"] = "autofit (accelerate does not select FSDP on the CPU)" if fsdp_by_us else (
         "accelerate" if acc.distributed_type is DistributedType.FSDP else None)
+    # accelerator.accumulate and accelerator.backward around each micro-batch, as the Trainer does
     backward = acc.backward
     if use_ds:
         backward = _deepspeed_backward(acc, model, tracker)
@@ -273,7 +236,14 @@ def _deepspeed_backward(acc, engine, tracker):
 
 
 def _switch_to_fsdp(acc) -> None:
-    """Select accelerate's FSDP path where its state machine refused it (the CPU; see module doc)."""
+    """Select accelerate's FSDP path where its state machine refused it.
+
+    accelerate never selects FSDP without an accelerator device (``distributed_type``
+    stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the launcher's environment says FSDP
+    (``ACCELERATE_USE_FSDP``) the plugin is read from that same environment and the state
+    switched before ``prepare``, so accelerate's own FSDP2 path runs over the gloo group
+    the launcher created (docs/EVALUATORS.md).
+    """
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -379,6 +349,7 @@ class Trial:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.memory: dict[str, Any] = {}
         self.tracker = None
+        self.tracking = False  # the tracker is entered (setup and warm-up steps)
 
     def progress(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -392,90 +363,110 @@ class Trial:
         tmp.write_text(json.dumps(data, indent=1, default=str))
         os.replace(tmp, self.dir / name)
 
-    def run(self) -> dict[str, Any]:
-        import torch
+    def write_rank(self, data: dict[str, Any]) -> None:
+        self.write(f"rank-{self.rank}.json", {"rank": self.rank, "pid": os.getpid(), **data})
 
-        from autofit.evaluators import runtime as rt
+    def run(self) -> dict[str, Any]:
+        """Set up, run the warm-up steps under the tracker and the timed steps without it."""
         from autofit.evaluators.memtrack import StorageTracker
         from autofit.plan import Plan
 
         s = self.spec
         spec, plan, wl = model_spec(s["model"]), Plan.from_dict(s["plan"]), workload(s["workload"])
-        device = s["device"]
-        seed = int(s.get("seed", 0))
-        cuda = device == "cuda"
-        if cuda:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dev = torch.device("cuda", local)
-        else:
-            dev = torch.device("cpu")
-        budget = s.get("cpu_mem_budget") if not cuda else None
-        tracker = StorageTracker(budget=budget, skip_meta=True)
-        self.tracker = tracker
-        self.write(f"rank-{self.rank}.json", {"rank": self.rank, "pid": os.getpid(), "status": "running"})
+        dev = _torch_device(s["device"])
+        budget = s.get("cpu_mem_budget") if dev.type != "cuda" else None
+        self.tracker = StorageTracker(budget=budget, skip_meta=True)
+        self.write_rank({"status": "running"})
 
-        tracker.__enter__()
-        tracking = True
+        self.tracker.__enter__()
+        self.tracking = True
         try:
-            with tracker.in_phase("setup"):
-                setup = set_up(spec, plan, "cuda" if cuda else "cpu", s["launcher"], seed, tracker)
-            model = setup.model
-            tracker.track(list(model.parameters()) + list(model.buffers()), "weights")
-            _engine_marks(tracker, setup)
-            self.memory["setup_peak_bytes"] = tracker.peak
-            tracker.reset_peak()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            runner = rt.StepRunner(spec, setup.step_plan, model, setup.optimizer, device=dev, tracker=tracker,
-                                   backward=setup.backward, micro_batch_context=setup.micro_batch_context)
-            self.write(f"rank-{self.rank}.json", {"rank": self.rank, "pid": os.getpid(), "status": "running",
-                                                  "engine": setup.engine})
-            warmup, timed = int(s["warmup_steps"]), int(s["timed_steps"])
-            times, tokens, losses, device_used = [], [], [], []
-            for step in range(warmup + timed):
-                if step == warmup and tracking:
-                    _engine_marks(tracker, setup)
-                    snap = tracker.snapshot()
-                    self.memory.update(tracked_peak=tracker.peak, components=snap.components,
-                                       peak_phase=snap.peak_phase, peak_step=snap.peak_step)
-                    tracker.__exit__(None, None, None)
-                    tracking = False
-                injected_fault(plan.plan_id, step)
-                # warm-up steps take the worst case of the length distribution (memory),
-                # timed steps samples of it (speed); ranks see different data
-                batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank,
-                                         worst_case=step < warmup)
-                n_tok = sum(rt.real_tokens(b) for b in batches)
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                loss = runner.step(batches, step=step)
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                if cuda:
-                    device_used.append(cuda_device_used(dev.index))
-                losses.append(loss)
-                if step >= warmup:
-                    times.append(dt)
-                    tokens.append(n_tok)
-                peak = torch.cuda.max_memory_allocated(dev) if cuda else tracker.peak
-                self.progress({"step": step, "warmup": step < warmup, "step_time_s": dt,
-                               "tokens_per_sec": n_tok * self.world / dt, "peak_bytes": int(peak)})
-            if tracking:  # no timed steps
-                _engine_marks(tracker, setup)
-                snap = tracker.snapshot()
-                self.memory.update(tracked_peak=tracker.peak, components=snap.components,
-                                   peak_phase=snap.peak_phase, peak_step=snap.peak_step)
-                tracker.__exit__(None, None, None)
-                tracking = False
+            setup, runner = self._set_up(spec, plan, dev)
+            steps = self._train(runner, setup, spec, plan, wl, dev)
+            self._stop_tracking(setup)  # no timed steps
         finally:
-            if tracking:
-                tracker.__exit__(None, None, None)
+            if self.tracking:
+                self.tracker.__exit__(None, None, None)
         runner.close()
+        self._final_memory(dev, steps.device_used)
+        return {
+            "engine": setup.engine,
+            "step_times_s": steps.times,
+            "real_tokens": steps.tokens,
+            "losses": steps.losses,
+            "loss_finite": all(math.isfinite(x) for x in steps.losses),
+        }
+
+    def _set_up(self, spec, plan, dev) -> tuple[Setup, Any]:
+        """Model, optimizer and engine under the tracker's ``setup`` phase; the step runner."""
+        import torch
+
+        from autofit.evaluators import runtime as rt
+
+        tracker, cuda = self.tracker, dev.type == "cuda"
+        with tracker.in_phase("setup"):
+            setup = set_up(spec, plan, dev.type, self.spec["launcher"], int(self.spec.get("seed", 0)), tracker)
+        model = setup.model
+        tracker.track(list(model.parameters()) + list(model.buffers()), "weights")
+        _engine_marks(tracker, setup)
+        self.memory["setup_peak_bytes"] = tracker.peak
+        # the training step's peak from here on, as torch.cuda.reset_peak_memory_stats starts one
+        tracker.reset_peak()
         if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        runner = rt.StepRunner(spec, setup.step_plan, model, setup.optimizer, device=dev, tracker=tracker,
+                               backward=setup.backward, micro_batch_context=setup.micro_batch_context)
+        self.write_rank({"status": "running", "engine": setup.engine})
+        return setup, runner
+
+    def _stop_tracking(self, setup: Setup) -> None:
+        """Record the tracker's anatomy of the warm-up steps and leave it (once)."""
+        if not self.tracking:
+            return
+        tracker = self.tracker
+        _engine_marks(tracker, setup)
+        snap = tracker.snapshot()
+        self.memory.update(tracked_peak=tracker.peak, components=snap.components,
+                           peak_phase=snap.peak_phase, peak_step=snap.peak_step)
+        tracker.__exit__(None, None, None)
+        self.tracking = False
+
+    def _train(self, runner, setup: Setup, spec, plan, wl, dev) -> _Steps:
+        """Warm-up steps (tracked: memory), then timed steps (untracked: speed); progress per step."""
+        import torch
+
+        from autofit.evaluators import runtime as rt
+
+        cuda = dev.type == "cuda"
+        warmup, timed = int(self.spec["warmup_steps"]), int(self.spec["timed_steps"])
+        out = _Steps()
+        for step in range(warmup + timed):
+            if step == warmup:  # timed steps run untracked: its Python bookkeeping would slow them
+                self._stop_tracking(setup)
+            injected_fault(plan.plan_id, step)
+            # warm-up steps take the worst case of the length distribution (memory),
+            # timed steps samples of it (speed); ranks see different data
+            batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank,
+                                     worst_case=step < warmup)
+            n_tok = sum(rt.real_tokens(b) for b in batches)
+            loss, dt = _timed_step(runner, batches, step, cuda)
+            if cuda:
+                out.device_used.append(cuda_device_used(dev.index))
+            out.losses.append(loss)
+            if step >= warmup:
+                out.times.append(dt)
+                out.tokens.append(n_tok)
+            peak = torch.cuda.max_memory_allocated(dev) if cuda else self.tracker.peak
+            self.progress({"step": step, "warmup": step < warmup, "step_time_s": dt,
+                           "tokens_per_sec": n_tok * self.world / dt, "peak_bytes": int(peak)})
+        return out
+
+    def _final_memory(self, dev, device_used: list[int | None]) -> None:
+        """The rank's totals: CUDA's allocator and device figures, or the tracker's on the CPU."""
+        import torch
+
+        if dev.type == "cuda":
             self.memory.update(
                 peak_allocated=int(torch.cuda.max_memory_allocated(dev)),
                 peak_reserved=int(torch.cuda.max_memory_reserved(dev)),
@@ -486,13 +477,6 @@ class Trial:
             # no caching allocator and no context on the CPU: the tracked tensors are the device
             self.memory.update(peak_allocated=peak, peak_reserved=peak, device_total=peak)
         self.memory.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes())
-        return {
-            "engine": setup.engine,
-            "step_times_s": times,
-            "real_tokens": tokens,
-            "losses": losses,
-            "loss_finite": all(math.isfinite(x) for x in losses),
-        }
 
     def close(self) -> None:
         """Leave the process group before exiting: gloo's threads abort an interpreter that exits inside it."""
@@ -510,6 +494,41 @@ class Trial:
             dist.all_gather_object(out, mine)
             return out
         return [mine]
+
+
+@dataclass
+class _Steps:
+    """What the steps of a trial leave: timed steps' seconds and real tokens, every step's loss
+    and device-level bytes (CUDA)."""
+
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    device_used: list[int | None] = field(default_factory=list)
+
+
+def _torch_device(device: str):
+    """The rank's torch device: its ``LOCAL_RANK`` GPU (made current) on CUDA, else the CPU."""
+    import torch
+
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _timed_step(runner, batches, step: int, cuda: bool) -> tuple[float, float]:
+    """One training step and its wall time (CUDA synchronized on both sides)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = runner.step(batches, step=step)
+    if cuda:
+        torch.cuda.synchronize()
+    return loss, time.perf_counter() - t0
 
 
 def _device_name(device: str) -> str:

@@ -1,33 +1,12 @@
 """The measured evaluator: a short real run of the plan on this machine's devices.
 
-``MeasuredEvaluator.evaluate(plan, ctx, on_step)`` writes a trial spec (JSON) into a
-trial directory and starts the child, :mod:`autofit.evaluators._trial_main`:
-
-- plain torch on one rank: ``python -m autofit.evaluators._trial_main SPEC``;
-- several ranks, or an engine (DeepSpeed, FSDP): the plan is exported into the trial
-  directory (``export_plan``: the files a user gets) and launched with ``python -m
-  accelerate.commands.launch --config_file accelerate_config.yaml -m
-  autofit.evaluators._trial_main SPEC``, so the files the user launches are the files
-  that ran. Only the rendezvous port is added (a free one: trials and other jobs share
-  the machine).
-
-The child runs in a new session (its own process group). The parent tails the child's
-``progress.jsonl`` (one JSON line per step from rank 0), calls ``on_step`` with each
-step, and enforces the timeout; on timeout, or when ``on_step`` returns False (pruned),
-it kills the whole process tree: torchrun starts every worker in a session of its own,
-so the launcher's group alone would leave them behind (see :func:`kill_tree`).
-
-The outcome is classified from the child's structured files (``result.json``, one
-``rank-<r>.json`` per rank) and its exit status, never from its logs: ``fits`` or
-``oom`` (judged against the budget), ``oom`` (``torch.OutOfMemoryError``, or the CPU
-budget crossed, at the first allocation over it), ``timeout``, ``pruned``, ``failed``
-(with the error and the last lines of stderr).
-
-On the CPU target (``--gpus 1xcpu``/``2xcpu``) the device is the host; the per-rank
-budget is the target's memory (``--cpu-mem-budget``) and is enforced by the storage
-tracker; ``peak_reserved`` and ``device_total`` equal ``peak_allocated`` (there is no
-caching allocator and no context), and process RSS is reported as host memory.
-Linux only (process trees are read from ``/proc``).
+Writes a trial spec, starts the child (:mod:`autofit.evaluators._trial_main`, alone or
+under ``accelerate launch`` with the exported config files) in a session of its own,
+tails its progress (pruning, timeout: the whole process tree is killed) and classifies
+the outcome from its result files and exit status, never from its logs. Imports torch
+only to list local GPUs, and from autofit what lies below the evaluators plus the
+exporter; Linux only (process trees are read from ``/proc``). The protocol and the
+design: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -42,15 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from autofit.errors import AutofitError
-from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
-from autofit.specs import Target
+from autofit.evaluators._trial_main import EXIT_OOM  # the child's protocol (stdlib-only module)
 from autofit.evaluators.base import Evaluator, StepCallback, StepReport
 from autofit.plan import Offload, Optimizer, Plan
+from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.specs import Target
 
 DEFAULT_WARMUP_STEPS = 2  # the first step creates the optimizer states, the second is steady
 DEFAULT_TIMED_STEPS = 3
@@ -60,7 +41,6 @@ POLL_S = 0.1
 KILL_GRACE_S = 3.0
 
 CHILD_MODULE = "autofit.evaluators._trial_main"
-EXIT_OOM = 3  # _trial_main.EXIT_OOM (not imported: that module is the child's)
 
 
 @dataclass(frozen=True)
@@ -285,7 +265,8 @@ def die_with_parent() -> None:
 def kill_tree(proc: subprocess.Popen) -> set[int]:
     """SIGTERM, then SIGKILL, the child, its group, and every process below it; returns the pids.
 
-    The tree is read before each signal and while waiting: once a launcher dies its
+    torchrun starts every worker in a session of its own, so the launcher's group alone
+    would leave them behind. The tree is read before each signal and while waiting: once a launcher dies its
     workers are re-parented and no longer findable from it. A process that ignores
     SIGTERM gets SIGKILL after ``KILL_GRACE_S``.
     """

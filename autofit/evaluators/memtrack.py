@@ -24,22 +24,29 @@ torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` gives a similar
 breakdown and the same peak, but took 24.5 s per fake Mistral-7B step (seq 4096) against
 2.1 s for this tracker and 1.6 s for the bare step
 (benchmarks/results/2026-12-02-simulated-speed.md), so we keep our own.
+
+Imports torch at module level (import it lazily from modules that must load without
+torch) and, from autofit, only the component names of ``autofit.results``. How the
+simulator and measured runs use it: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from autofit.results import COMPONENTS
+
 _TO_COPY = torch.ops.aten._to_copy.default
 
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits")
+# the anatomy components tensors hold (overhead is not a tensor)
+TRACKED = tuple(c for c in COMPONENTS if c != "overhead")
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; what
 # torch.cuda.max_memory_allocated counts is the rounded size.
@@ -253,7 +260,7 @@ class StorageTracker(TorchDispatchMode):
         """Replay the log up to ``event`` (default: the peak) and attribute each live storage."""
         event = self.peak_event if event is None else event
         live = self.live_at(event)
-        comps = dict.fromkeys(COMPONENTS, 0)
+        comps = dict.fromkeys(TRACKED, 0)
         for key, nbytes in live.items():
             comps[self.classify(key)] += nbytes
         return Snapshot(

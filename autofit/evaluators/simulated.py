@@ -1,87 +1,12 @@
 """The simulated evaluator: the real training step of the real architecture under fake tensors.
 
-The model is built from its config on ``meta`` (transformers ``from_config``, peft LoRA,
-bitsandbytes NF4 layers, checkpointing through the model's API — all by
-``runtime.build_model``), its tensors are swapped for fake ones (``runtime.to_fake``), and
-``runtime.StepRunner`` runs two full optimizer steps of ``min(grad_accum, 2)``
-micro-batches under ``FakeTensorMode``. A ``StorageTracker`` logs every storage; the
-breakdown at the peak is the anatomy. Nothing is allocated and no GPU is needed.
-
-Decisions, and why
-------------------
-**Fake CPU tensors, with the target's CUDA kernels substituted explicitly.** Fake tensors
-*can* carry ``device="cuda"`` here, but not through a training step: with this torch
-(2.13.0+cpu) the first op that records autograd history on a fake CUDA tensor aborts the
-process (``InputMetadata`` asks for a CUDA device guard the CPU build does not have; a C++
-``terminate``, not an exception — ``FakeTensorMode``'s ``_ensureCUDADeviceGuardSet`` only
-patches builds that have CUDA compiled in), and ``aten._fused_sdp_choice`` has no fake
-kernel for CUDA. Even on a CUDA build torch would choose kernels for the *local* GPU, not
-for the target in the catalog. So every trace runs on fake CPU tensors, and for a CUDA
-target :class:`CudaKernels` replaces, while the step runs, the CPU's choices that change
-what is saved or allocated with the ones torch 2.13 makes on the target:
-
-1. sdpa: after autocast's cast to 16-bit, flash (16-bit, no mask, head_dim <= 256 and
-   <= 192 with gradients on sm86/89, sm80+, GQA native), else memory-efficient (mask or
-   fp32, no GQA), else math — the order and constraints of ``sdp_utils.cpp``, in
-   ``costs.cuda_sdpa_kernel`` which the analytic evaluator shares — called as the aten ops
-   themselves, which have fake kernels and autograd formulas, so their saved
-   out/logsumexp/rng state are traced. (On the CPU, sdpa with dropout runs the math
-   kernel, which upcasts 16-bit to fp32 and keeps s² probabilities.)
-2. dropout: CUDA's fused ``native_dropout`` keeps a bool mask; the CPU keeps it in the
-   input dtype.
-3. autocast: CUDA autocast runs layer_norm, pow, rsqrt, exp, log, softmax without dtype,
-   ... in fp32 (GPT-2's GELU and LayerNorm upcast there); CPU autocast leaves them 16-bit.
-4. bitsandbytes ``gemm_4bit`` dequantizes the whole weight above 1536 rows on CUDA and
-   always on the CPU (``runtime.bnb_decompositions``): the tracker sees those temporaries.
-
-The substitutes are entered around every forward and every checkpoint recompute
-(``runtime.StepRunner(kernels=...)``), so a recomputed block saves what its forward saved.
-CPU targets (``1xcpu``) trace the CPU's own kernels, unchanged; that is what the tests
-compare with real CPU steps, byte for byte. Not corrected: the math fallback with dropout
-on a CUDA target keeps a float mask (no valid plan reaches it: dropout models are MHA and go
-to the efficient kernel); cuBLAS/cuDNN workspaces are not tensors (they are in
-``overhead``); paged 8-bit optimizer states are counted as device memory (bitsandbytes
-pages them only under pressure).
-
-Values a fake tensor does not have are supplied where the step reads them: transformers'
-packed-sequence and all-ones-mask checks are answered from the synthetic batch the trace
-was made from, optimizer step counters stay real (``runtime._real_scalars``), and a value
-read back from a fake tensor (Adafactor's parameter RMS) reads 1; none changes a size.
-
-**flash2.** flash_attn does not run here (no package, no GPU). Plans with flash2 are
-traced with :func:`flash2_attention`, registered as a transformers attention function,
-which calls aten's FlashAttention-2 kernel (``_scaled_dot_product_flash_attention``): it
-saves what flash_attn's ``FlashAttnFunc`` saves (q, k, v, out, logsumexp, rng state), with
-native GQA. Padded batches are unpadded the way transformers' flash path does (a contiguous
-copy, a gather of the real tokens, zeros + scatter for the output); packed rows run as one
-row (same tensors as the varlen kernel). Attention FLOPs are scaled by sum(l²)/(sum l)²
-for packed and unpadded rows, since the varlen kernel does not attend across sequences.
-
-**Sharding: one rank traced unsharded, states divided by arithmetic.** Torch's fake
-process group fails on transformers' models (FSDP2 hits ``_local_scalar_dense``,
-shared/FIELD-NOTES.md) and DeepSpeed cannot run on fake tensors; and what sharding changes
-per rank is model states and buckets, which follow from the config (``costs.shard_states``),
-while activations, logits and temporaries of a rank do not change. So the module is traced
-once in the engine's compute layout (``runtime.layout``: DeepSpeed and FSDP2 compute on
-16-bit parameters), and every event of the steady-state step is re-costed with weights,
-gradients and optimizer states as the engine shards them, plus its gather/reduce buckets;
-the peak is the largest re-costed event (it can move: sharding shrinks states, not
-activations).
-
-**Memoization.** A trace depends only on :class:`TraceKey`: the architecture's
-fingerprint, the workload's shape, the fields of the plan that change the step (method,
-rank, targets, precision, optimizer, micro-batch, ``min(grad_accum, 2)`` micro-batches —
-a second one runs with gradients present, more change nothing per micro-batch —
-checkpointing, attention, packing, fused loss, engine layout: plain torch or 16-bit
-sharded) and the target's kernels (device kind and compute capability). Sharding stage,
-offload, world size, GPU type of the same capability, GPU memory and headroom re-use it;
-:class:`TraceCache` keeps the last 64 per process.
-
-**Time.** A roofline over the traced ops of the steady-state step: FLOPs from
-``torch.utils.flop_counter``'s formulas, bytes from each op's inputs and outputs, each op
-taking max(FLOPs / (peak × ``costs.matmul_efficiency``), bytes / (bandwidth ×
-``costs.MEMORY_EFFICIENCY``)); communication, offload transfers and the CPU optimizer from
-``costs.comm_time`` with the traced backward time.
+The model is built on ``meta`` by ``runtime.build_model``, swapped to fake CPU tensors
+and stepped twice by ``runtime.StepRunner`` under ``FakeTensorMode``, with the target's
+CUDA kernels substituted (:class:`CudaKernels`); a ``memtrack.StorageTracker`` gives the
+anatomy at the peak, and a roofline over the traced ops the time. Nothing is allocated
+and no GPU is needed. Imports torch and transformers lazily (inside functions), and
+from autofit only what lies below the evaluators (results, plan, specs) and its
+siblings base, costs, analytic, runtime and memtrack. Design and decisions: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -94,16 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.evaluators import costs
-from autofit.specs import Target
 from autofit.evaluators.base import Evaluator, StepCallback
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.plan import Attention, Offload, Plan
-from autofit.specs import ModelSpec, Workload
+from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
 
 FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
 CACHE_SIZE = 64
-_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits")
+_TRACED = tuple(c for c in COMPONENTS if c != "overhead")  # what tensors hold; overhead is arithmetic
 
 
 # -- what a trace depends on -------------------------------------------------------------
@@ -115,7 +39,7 @@ class TraceDevice:
     capability: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, gpu: GPUSpec) -> "TraceDevice":
+    def of(cls, gpu: GPUSpec) -> TraceDevice:
         return cls("cpu") if gpu.kind == "cpu" else cls("cuda", tuple(gpu.compute_capability))
 
 
@@ -139,7 +63,7 @@ class TraceKey:
     target: TraceDevice
 
     @classmethod
-    def of(cls, plan: Plan, model: ModelSpec, workload: Workload, target: TraceDevice) -> "TraceKey":
+    def of(cls, plan: Plan, model: ModelSpec, workload: Workload, target: TraceDevice) -> TraceKey:
         return cls(
             model=model.fingerprint,
             seq_len=workload.seq_len,
@@ -164,10 +88,7 @@ class TraceKey:
 def cuda_sdpa_kernel(capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool,
                      requires_grad: bool) -> str:
     """``costs.cuda_sdpa_kernel`` for a torch dtype (the analytic evaluator shares the rule)."""
-    import torch
-
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    return costs.cuda_sdpa_kernel(capability, name, head_dim, masked, gqa, requires_grad)
+    return costs.cuda_sdpa_kernel(capability, _dtype_class(dtype), head_dim, masked, gqa, requires_grad)
 
 
 # CUDA autocast's fp32 policies for ops CPU autocast does not list (autocast_mode.cpp)
@@ -179,25 +100,83 @@ _FP32_CAST = frozenset({
 _FP32_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"})
 
 
+def _upcast(x):
+    """16-bit tensors (also inside lists and tuples) cast to fp32."""
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_upcast(y) for y in x)
+    return x
+
+
+def _cuda_autocast(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments CUDA autocast's fp32 policy (``_FP32_CAST``/``_FP32_DTYPE``) gives op ``name``."""
+    import torch
+
+    if name in _FP32_CAST:
+        return _upcast(args), {k: _upcast(v) for k, v in kwargs.items()}
+    if kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) \
+            and args[0].dtype in (torch.float16, torch.bfloat16) and len(args) <= 2:
+        return args, {**kwargs, "dtype": torch.float32}
+    return args, kwargs
+
+
+def _cuda_dropout(func, input, p=0.5, training=True, inplace=False):
+    """CUDA's fused ``native_dropout``, which keeps a bool mask (the CPU keeps it in the input dtype)."""
+    import torch
+    import torch.nn.functional as F
+
+    if training and 0 < p < 1 and not inplace:
+        return torch.native_dropout(input, p, True)[0]
+    return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)
+
+
+def _cuda_sdpa(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    """sdpa as torch runs it on a CUDA GPU of ``capability``: the kernel ``cuda_sdpa_kernel`` picks
+    (the order and constraints of ``sdp_utils.cpp``), called as the aten op itself so that what it
+    saves for backward (out, logsumexp, rng state) is traced."""
+    import torch
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+    if torch.is_autocast_enabled("cpu"):  # sdpa is on autocast's 16-bit list: cast first
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v = (t.to(low) if t.dtype is torch.float32 else t for t in (q, k, v))
+        if attn_mask is not None and attn_mask.dtype is torch.float32:
+            attn_mask = attn_mask.to(low)
+    gqa = enable_gqa and k.shape[-3] != q.shape[-3]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    kernel = cuda_sdpa_kernel(capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad)
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if kernel == "efficient":
+        bias = attn_mask
+        if bias is not None and bias.dtype is torch.bool:  # convert_boolean_attn_mask
+            bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
 def _make_cuda_kernels():
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    aten = torch.ops.aten
-    half = (torch.float16, torch.bfloat16)
-
-    def upcast(x):
-        if isinstance(x, torch.Tensor) and x.dtype in half:
-            return x.float()
-        if isinstance(x, (list, tuple)):
-            return type(x)(upcast(y) for y in x)
-        return x
-
     class CudaKernels(TorchFunctionMode):
         """Run, on fake CPU tensors, the kernels a CUDA GPU of ``capability`` would run.
 
-        See the module docstring (items 1-3) for what differs and why it matters.
+        sdpa (``_cuda_sdpa``), dropout (``_cuda_dropout``) and CUDA autocast's fp32 ops
+        (``_cuda_autocast``); why these: docs/EVALUATORS.md.
         """
 
         def __init__(self, capability: tuple[int, int]) -> None:
@@ -207,47 +186,13 @@ def _make_cuda_kernels():
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is F.scaled_dot_product_attention:
-                return self.sdpa(*args, **kwargs)
+                return _cuda_sdpa(self.capability, *args, **kwargs)
             if func is F.dropout or func is torch.dropout:
-                return self.dropout(func, *args, **kwargs)
+                return _cuda_dropout(func, *args, **kwargs)
             name = getattr(func, "__name__", "")
             if (name in _FP32_CAST or name in _FP32_DTYPE) and torch.is_autocast_enabled("cpu"):
-                if name in _FP32_CAST:
-                    args, kwargs = upcast(args), {k: upcast(v) for k, v in kwargs.items()}
-                elif kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) \
-                        and args[0].dtype in half and len(args) <= 2:
-                    kwargs = {**kwargs, "dtype": torch.float32}
+                args, kwargs = _cuda_autocast(name, args, kwargs)
             return func(*args, **kwargs)
-
-        def dropout(self, func, input, p=0.5, training=True, inplace=False):
-            if training and 0 < p < 1 and not inplace:
-                return torch.native_dropout(input, p, True)[0]
-            return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)
-
-        def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-            if torch.is_autocast_enabled("cpu"):  # sdpa is on autocast's 16-bit list: cast first
-                low = torch.get_autocast_dtype("cpu")
-                q, k, v = (t.to(low) if t.dtype is torch.float32 else t for t in (q, k, v))
-                if attn_mask is not None and attn_mask.dtype is torch.float32:
-                    attn_mask = attn_mask.to(low)
-            gqa = enable_gqa and k.shape[-3] != q.shape[-3]
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            kernel = cuda_sdpa_kernel(self.capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad)
-            if kernel == "flash":
-                return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-            if kernel == "efficient":
-                bias = attn_mask
-                if bias is not None and bias.dtype is torch.bool:  # convert_boolean_attn_mask
-                    bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
-                if bias is not None:
-                    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-                return aten._scaled_dot_product_efficient_attention(
-                    q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel(SDPBackend.MATH):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     return CudaKernels
 
@@ -363,39 +308,90 @@ def _dtype_class(dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
+@functools.cache
+def _written_args(func) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place that it does not also return."""
+    if func._schema.returns:
+        return ()
+    return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bool(bound.get("is_causal", False))
+
+
+class _OpCounter:
+    """FLOPs (``torch.utils.flop_counter``'s formulas) and bytes read and written of one aten op."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+        aten = torch.ops.aten
+        self._tensor, self._tree_leaves = torch.Tensor, tree_leaves
+        self._registry = flop_registry
+        self._sdpa_fwd, self._sdpa_bwd = sdpa_flop_count, sdpa_backward_flop_count
+        self.attention_ops = {
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_backward.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_efficient_attention_backward.default,
+        }
+        self.cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        self.cpu_flash_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+        # ops that move no data (views, detach, uninitialized allocations)
+        self.free = {aten._unsafe_view.default, aten.detach.default, aten.lift_fresh.default,
+                     aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+                     aten.new_empty_strided.default, aten.empty_like.default}
+
+    def counted(self, func) -> bool:
+        """An op that costs time (prim.device & co. query metadata)."""
+        return func not in self.free and not func.is_view and func.namespace != "prim"
+
+    def nbytes(self, func, args, kwargs, out) -> tuple[int, Any]:
+        """Bytes the op reads and writes, and the first floating dtype among its tensors (or None)."""
+        nbytes = 0
+        dtype = None
+        # what an op reads and writes; arguments it mutates in place are written too
+        for t in self._tree_leaves((args, kwargs, out, [args[i] for i in _written_args(func) if i < len(args)])):
+            if isinstance(t, self._tensor):
+                nbytes += t.numel() * t.element_size()
+                if dtype is None and t.is_floating_point():
+                    dtype = t.dtype
+        return nbytes, dtype
+
+    def flops(self, func, args, kwargs, out, attn_flop_scale: float) -> float:
+        """FLOPs of the op; attention scaled by ``attn_flop_scale`` (flash2 varlen) and halved when causal."""
+        flops = 0.0
+        packet = func._overloadpacket
+        if packet in self._registry:
+            flops = self._registry[packet](*args, **kwargs, out_val=out)
+            if func in self.attention_ops:
+                flops *= attn_flop_scale * (0.5 if _is_causal(func, args, kwargs) else 1.0)
+        elif self.cpu_flash is not None and packet in (self.cpu_flash, self.cpu_flash_bwd):
+            backward = packet is self.cpu_flash_bwd
+            q, k, v = (args[1:4] if backward else args[:3])
+            flops = (self._sdpa_bwd(args[0].shape, q.shape, k.shape, v.shape) if backward
+                     else self._sdpa_fwd(q.shape, k.shape, v.shape))
+            flops *= attn_flop_scale * (0.5 if _is_causal(func, args, kwargs) else 1.0)
+        elif packet.__name__ == "gemm_4bit":  # bitsandbytes' fused 4-bit matmul, left whole
+            a = args[0]
+            flops = 2.0 * a.numel() * args[2][0]
+        return flops
+
+
 def _make_tracer():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
-    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
     from autofit.evaluators.memtrack import StorageTracker
 
-    aten = torch.ops.aten
-    scalar_read = aten._local_scalar_dense.default
-    attention_ops = {
-        aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_efficient_attention_backward.default,
-    }
-    cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    cpu_flash_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    free = {aten._unsafe_view.default, aten.detach.default, aten.lift_fresh.default, aten.empty.memory_format,
-            aten.empty_strided.default, aten.new_empty.default, aten.new_empty_strided.default,
-            aten.empty_like.default}
-
-    @functools.lru_cache(maxsize=None)
-    def written_args(func) -> tuple[int, ...]:
-        """Positions of the arguments an op writes in place that it does not also return."""
-        if func._schema.returns:
-            return ()
-        return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
-
-    def _causal(func, args, kwargs) -> bool:
-        names = [a.name for a in func._schema.arguments]
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
-        return bool(bound.get("is_causal", False))
+    scalar_read = torch.ops.aten._local_scalar_dense.default
+    counter = _OpCounter()
 
     class Tracer(StorageTracker):
         """The storage tracker plus phase marks and per-op FLOPs/bytes of the last step."""
@@ -423,36 +419,15 @@ def _make_tracer():
                 # a fake tensor has none, so the trace reads 1
                 return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if (self.step == self.last_step and self.phase != "setup" and func not in free and not func.is_view
-                    and func.namespace != "prim"):  # prim.device & co. query metadata
+            if self.step == self.last_step and self.phase != "setup" and counter.counted(func):
                 self._cost(func, args, kwargs or {}, out)
             return out
 
         def _cost(self, func, args, kwargs, out) -> None:
-            nbytes = 0
-            dtype = None
-            # what an op reads and writes; arguments it mutates in place are written too
-            for t in tree_leaves((args, kwargs, out, [args[i] for i in written_args(func) if i < len(args)])):
-                if isinstance(t, torch.Tensor):
-                    nbytes += t.numel() * t.element_size()
-                    if dtype is None and t.is_floating_point():
-                        dtype = t.dtype
-            flops = 0.0
-            packet = func._overloadpacket
-            if packet in flop_registry:
-                flops = flop_registry[packet](*args, **kwargs, out_val=out)
-                if func in attention_ops:
-                    flops *= self.attn_flop_scale * (0.5 if _causal(func, args, kwargs) else 1.0)
-            elif cpu_flash is not None and packet in (cpu_flash, cpu_flash_bwd):
-                q, k, v = (args[1:4] if packet is cpu_flash_bwd else args[:3])
-                flops = (sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape) if packet is cpu_flash_bwd
-                         else sdpa_flop_count(q.shape, k.shape, v.shape))
-                flops *= self.attn_flop_scale * (0.5 if _causal(func, args, kwargs) else 1.0)
-            elif packet.__name__ == "gemm_4bit":  # bitsandbytes' fused 4-bit matmul, left whole
-                a = args[0]
-                flops = 2.0 * a.numel() * args[2][0]
+            nbytes, dtype = counter.nbytes(func, args, kwargs, out)
+            flops = counter.flops(func, args, kwargs, out, self.attn_flop_scale)
             phase = "backward" if self.phase == "recompute" else self.phase
-            self.ops.add(phase, packet.__name__, float(flops), float(nbytes), _dtype_class(dtype))
+            self.ops.add(phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype))
 
     return Tracer
 
@@ -556,10 +531,14 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
         fakes.append(fs)
     scale = _attn_flop_scale(rows[micro:]) if flash2 else 1.0
     tokens = int(fakes[1][0]["input_ids"].numel())
+    # bitsandbytes' gemm_4bit dequantizes the whole weight above 1536 rows on CUDA, always on the CPU
     tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
     kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
     with _value_decisions(), mode, tr:
         tr.track(rt.state_tensors(net), "weights")
+        # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
+        # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
+        # CUDA builds), so the target's kernels come from CudaKernels instead (docs/EVALUATORS.md)
         runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
         step_s = []
         for step in range(len(fakes)):
@@ -662,7 +641,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     start, end = steady_window(trace)
     marks = sorted((i, ph) for i, ph, st_ in trace.marks)
     live: dict[int, int] = {}
-    comp = dict.fromkeys(_COMPONENTS, 0)
+    comp = dict.fromkeys(_TRACED, 0)
     best, best_event, best_phase = None, -1, ""
     mi, phase = 0, "setup"
     for ev, (key, delta) in enumerate(trace.log):
@@ -701,7 +680,7 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
     from autofit.evaluators import analytic
 
     rm = rank_memory(trace, plan, ctx)
-    comp = {k: rm.components.get(k, 0) for k in _COMPONENTS}
+    comp = {k: rm.components.get(k, 0) for k in _TRACED}
     peak_allocated = sum(comp.values())
     peak_reserved = costs.reserved_bytes(peak_allocated)
     total = costs.device_total(peak_reserved, ctx.cluster.world_size)
