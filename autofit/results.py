@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Iterable
 
 from autofit.plan import Plan
 from autofit.specs import Target
@@ -17,11 +17,25 @@ from autofit.specs import Target
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead")
 TOTALS = ("peak_allocated", "peak_reserved", "device_total")
 
+# The evaluators, least faithful first: a measurement of a plan overrides its predictions.
+EVALUATORS = ("analytic", "simulated", "measured")
+
+
+def fidelity(evaluator: str) -> int:
+    """How faithful an evaluator is: its place in :data:`EVALUATORS`; -1 for a name it lacks.
+
+    The store's SQL (``autofit.store.store._fidelity``) spells out the same numbers."""
+    try:
+        return EVALUATORS.index(evaluator)
+    except ValueError:
+        return -1
+
 
 class Status(str, Enum):
     FITS = "fits"
     OOM = "oom"
-    PRUNED = "pruned"
+    SCREENED = "screened"  # predicted not to fit, so never evaluated (search screening)
+    PRUNED = "pruned"  # a measured run the pruner stopped early: it could not beat the best so far
     FAILED = "failed"
     TIMEOUT = "timeout"
 
@@ -116,6 +130,21 @@ class TrialResult:
             capacity_bytes=self.capacity_bytes, reason=p.get("reason", ""),
         )
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrialResult":
+        """The inverse of :meth:`as_dict` (its derived keys ``plan_id``, ``fits``, ``bottleneck`` are ignored)."""
+        return cls(
+            plan=Plan.from_dict(d["plan"]),
+            status=Status(d["status"]),
+            evaluator=d["evaluator"],
+            memory=MemoryAnatomy.from_dict(d["memory"]) if d.get("memory") is not None else None,
+            throughput=Throughput.from_dict(d["throughput"]) if d.get("throughput") is not None else None,
+            capacity_bytes=int(d.get("capacity_bytes") or 0),
+            reason=d.get("reason") or "",
+            duration_s=float(d.get("duration_s") or 0.0),
+            extra=dict(d.get("extra") or {}),
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON schema of ``autofit estimate --json`` (and of stored results)."""
         return {
@@ -132,6 +161,53 @@ class TrialResult:
             "duration_s": self.duration_s,
             **({"extra": self.extra} if self.extra else {}),
         }
+
+
+# -- a study's answer -----------------------------------------------------------------------------
+# The rule, in one place: per plan, its most faithful evaluation counts (the latest among
+# equally faithful ones); the answer is the fastest of those that fit, and among equally
+# fast ones the plan evaluated first (so a measurement that confirms a prediction never
+# demotes its plan). ``autofit.store.store`` states the same rule in SQL for queries
+# across studies (a test holds the two together).
+def authoritative(results: Iterable[TrialResult]
+                  ) -> tuple[tuple[TrialResult, ...], dict[str, tuple[TrialResult, ...]]]:
+    """One result per plan (the most faithful; the latest among equals), in the order plans
+    first appear, and every evaluation by plan (one per evaluator, the latest, least faithful
+    first; a measured row's embedded prediction counts as an evaluation where no row of that
+    evaluator exists)."""
+    by_plan: dict[str, list[TrialResult]] = {}
+    for r in results:
+        by_plan.setdefault(r.plan.plan_id, []).append(r)
+    chosen, evaluations = [], {}
+    for plan_id, rs in by_plan.items():
+        chosen.append(max(enumerate(rs), key=lambda ir: (fidelity(ir[1].evaluator), ir[0]))[1])
+        have = {r.evaluator for r in rs}
+        embedded = []
+        for r in rs:  # a measured row carries the estimate it was screened by
+            p = r.embedded_prediction()
+            if p is not None and p.evaluator not in have:
+                embedded.insert(0, p)
+                have.add(p.evaluator)
+        latest: dict[str, TrialResult] = {}
+        for _, r in sorted(enumerate(embedded + rs), key=lambda ir: (fidelity(ir[1].evaluator), ir[0])):
+            latest[r.evaluator] = r
+        evaluations[plan_id] = tuple(sorted(latest.values(), key=lambda r: fidelity(r.evaluator)))
+    return tuple(chosen), evaluations
+
+
+def ranked(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
+    """A study's fitting plans, fastest first, each by its most faithful evaluation; among
+    equally fast ones the plan that appears first in ``results`` (the store's order: trial
+    number, then id). ``ranked(...)[0]`` is the study's answer (see :func:`winner`)."""
+    chosen, _ = authoritative(results)
+    return tuple(sorted((r for r in chosen if r.fits and r.throughput is not None), key=lambda r: -r.tokens_per_sec))
+
+
+def winner(results: Iterable[TrialResult]) -> TrialResult | None:
+    """The answer of a study: the fastest plan that fits, a measurement superseding the
+    predictions of the same plan. One of the given objects (``is`` finds its row), or None."""
+    best = ranked(results)
+    return best[0] if best else None
 
 
 def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:

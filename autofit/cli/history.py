@@ -97,16 +97,18 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
 def export_cmd(study, trial_number, out, db_url, as_json):
     """Write the config files of a stored plan (the winner, or --trial N)."""
     from autofit.export import export_plan
+    from autofit.results import winner
     from autofit.store import Store
 
     store = Store(db_url)
     rec = store.get_study(study)
     trials = store.trials(rec.id)
-    if trial_number is None:
-        fitting = [t for t in trials if t.status == "fits"]
-        if not fitting:
+    if trial_number is None:  # the answer `autofit show` gives: one rule (autofit.results.ranked)
+        results = [t.result() for t in trials]
+        best = winner(results)
+        if best is None:
             raise click.ClickException(f"study {rec.name} has no plan that fits; pick one with --trial N")
-        chosen = max(fitting, key=lambda t: t.tokens_per_sec or 0)
+        chosen = next(t for t, r in zip(trials, results) if r is best)
     else:
         matches = [t for t in trials if t.number == trial_number]
         if not matches:

@@ -16,13 +16,10 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from autofit.evaluators.analytic import AnalyticEvaluator
 from autofit.specs import Target
-from autofit.results import Status, TrialResult
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding, plan_problems
-from autofit.store import FIDELITY  # how faithful each evaluator is: a measurement overrides predictions
-
-
-def fidelity(evaluator: str) -> int:
-    return FIDELITY.get(evaluator, -1)
+from autofit.results import Status, TrialResult, ranked
+# the answer's rule and the evaluators' fidelity live with the results (one home for every command)
+from autofit.results import authoritative, fidelity  # noqa: F401  (re-exported)
 
 
 # -- a study's standing --------------------------------------------------------------------------
@@ -119,29 +116,6 @@ class AnatomyGroup:
     results: tuple[TrialResult, ...]  # every evaluation with a memory anatomy, least faithful first
 
 
-def authoritative(results: Iterable[TrialResult]) -> tuple[tuple[TrialResult, ...], dict[str, tuple[TrialResult, ...]]]:
-    """One result per plan (the most faithful; the latest among equals) and every evaluation by plan."""
-    by_plan: dict[str, list[TrialResult]] = {}
-    for r in results:
-        by_plan.setdefault(r.plan.plan_id, []).append(r)
-    for rs in by_plan.values():  # a measured row carries the estimate it was screened by
-        have = {r.evaluator for r in rs}
-        for r in list(rs):
-            p = r.embedded_prediction()
-            if p is not None and p.evaluator not in have:
-                rs.insert(0, p)
-                have.add(p.evaluator)
-    chosen, evaluations = [], {}
-    for plan_id, rs in by_plan.items():
-        ordered = sorted(enumerate(rs), key=lambda ir: (fidelity(ir[1].evaluator), ir[0]))
-        chosen.append(ordered[-1][1])
-        latest: dict[str, TrialResult] = {}
-        for _, r in ordered:
-            latest[r.evaluator] = r  # one per evaluator: the latest
-        evaluations[plan_id] = tuple(sorted(latest.values(), key=lambda r: fidelity(r.evaluator)))
-    return tuple(chosen), evaluations
-
-
 def pareto_front(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
     """Fitting plans for which no other fitting plan needs less (or equal) memory and runs
     faster (or equally fast) with one of the two strictly better; least memory first."""
@@ -162,26 +136,28 @@ def reason_class(r: TrialResult, ctx: Target) -> str:
     if r.fits:
         return "slower than the winner"
     m = r.memory
-    if m is not None and r.status in (Status.OOM, Status.PRUNED):
-        prefix = "predicted " if r.status is Status.PRUNED else ""
+    if m is not None and r.status in (Status.OOM, Status.SCREENED):
+        prefix = "predicted " if r.status is Status.SCREENED else ""
         if m.device_total > ctx.budget_bytes:
             return f"{prefix}over the GPU memory budget, {m.bottleneck}"
         if m.host_bytes > ctx.cluster.host_memory_bytes:
             return f"{prefix}over the host memory for offload"
-    if r.status is Status.PRUNED and r.extra.get("pruned_by") == "pruner":
+    if r.status is Status.PRUNED:
         return "pruned: its throughput could not beat the best so far"
     text = (r.reason or r.status.value).split(";")[0].strip()
     return _NUMBER.sub("N", text)[:100]
 
 
 def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
+    """The answer (``autofit.results.ranked``: the one rule every command shares) and the evidence around it."""
+    results = list(results)
     chosen, evaluations = authoritative(results)
-    ranked = tuple(sorted((r for r in chosen if r.fits and r.throughput), key=lambda r: -r.tokens_per_sec))
+    fitting = ranked(results)
     per_method: dict[str, TrialResult] = {}
-    for r in ranked:
+    for r in fitting:
         per_method.setdefault(r.plan.method.value, r)
     closest = tuple(sorted((r for r in chosen if r.memory is not None), key=lambda r: r.memory.device_total))
-    winner = ranked[0] if ranked else None
+    winner = fitting[0] if fitting else None
     losses = []
     for status in Status:
         group = [r for r in chosen if r.status is status and r is not winner]
@@ -198,7 +174,7 @@ def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
                 nearest = min(over_budget, key=lambda r: r.memory.device_total)
                 over = nearest.memory.device_total - ctx.budget_bytes
         losses.append(Loss(status.value, len(group), reason, n, nearest, over))
-    return Standing(ctx=ctx, results=chosen, ranked=ranked, best_per_method=per_method, losses=tuple(losses),
+    return Standing(ctx=ctx, results=chosen, ranked=fitting, best_per_method=per_method, losses=tuple(losses),
                     pareto=pareto_front(chosen), closest=closest, evaluations=evaluations)
 
 

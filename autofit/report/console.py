@@ -136,7 +136,8 @@ def models_table(models: Iterable[ModelSpec]) -> Table:
 
 
 # -- search ---------------------------------------------------------------------------------
-STATUS_STYLE = {"fits": "green", "oom": "red", "pruned": "yellow", "failed": "magenta", "timeout": "magenta"}
+STATUS_STYLE = {"fits": "green", "oom": "red", "screened": "yellow", "pruned": "yellow", "failed": "magenta",
+                "timeout": "magenta"}
 
 
 def status_text(status: str) -> Text:

@@ -9,10 +9,10 @@ How a study runs (``run_search``):
    proposes the rest; fit is the constraint (``Trial.set_constraint``), effective
    tokens/s the objective.
 3. *Pruning before evaluation.* Every proposed plan is scored analytically first; a plan
-   predicted not to fit is recorded as ``pruned`` with its reason and costs nothing more
+   predicted not to fit is recorded as ``screened`` with its reason and costs nothing more
    (Optuna still sees it as an infeasible trial, so the sampler learns the boundary).
    Measured runs report per-step throughput through ``trial.report`` and Optuna's pruner
-   stops the ones that cannot win.
+   stops the ones that cannot win (recorded as ``pruned``).
 4. Every evaluation is a row in the store; the answer is read back from the store.
 
 The budget is a number of *evaluated plans*. A plan the sampler proposes again is not
@@ -46,7 +46,7 @@ from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
 from autofit.specs import Target
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, authoritative, ranked
 from autofit.evaluators.base import StepReport
 from autofit.plan import Method, Plan
 from autofit.search.space import Allowed, SearchSpace
@@ -219,7 +219,7 @@ class _Objective:
         if self.evaluator is None:
             result = predicted
         elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.backend, 0.0)):
-            result = dataclasses.replace(predicted, status=Status.PRUNED,
+            result = dataclasses.replace(predicted, status=Status.SCREENED,
                                          reason=f"predicted not to fit: {predicted.reason}")
         else:
             result = self._calibrated(self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial)))
@@ -229,7 +229,7 @@ class _Objective:
         trial.set_user_attr("status", result.status.value)
         _set_constraints(trial, result, ctx)
         self.progress("trial-done", {"number": trial.number, "result": result})
-        if result.status is Status.PRUNED and result.extra.get("pruned_by") == "pruner":
+        if result.status is Status.PRUNED:  # stopped by the pruner
             raise optuna.TrialPruned(result.reason)
         return result.tokens_per_sec
 
@@ -317,23 +317,14 @@ HEARTBEAT_GRACE_S = 60  # after this silence a trial's worker is taken for dead
 
 
 def request_from_study(rec) -> SearchRequest:
-    """The request a stored study was made for (workers rebuild it from the database)."""
-    from autofit.plan import LoraTargets, Optimizer, Precision
+    """The request a stored study was made for (workers rebuild it from the database).
 
-    a = rec.allowed
-    allowed = Allowed(
-        methods=tuple(Method(m) for m in a.get("methods", [])) or Allowed().methods,
-        optimizers=tuple(Optimizer(o) for o in a.get("optimizers", [])) or Allowed().optimizers,
-        precisions=tuple(Precision(p) for p in a.get("precisions", [])),
-        lora_ranks=tuple(int(r) for r in a.get("lora_ranks", [])) or Allowed().lora_ranks,
-        lora_targets=LoraTargets((a.get("lora_targets") or ["all-linear"])[0]),
-    )
+    The CPU target's memory budget comes back with the cluster (``ClusterSpec.from_dict``),
+    and the measured evaluator enforces the target's capacity, as in the process that created it."""
     b = rec.budget or {}
     options = dict(b.get("evaluator") or {})
-    if rec.backend == "measured" and rec.cluster.get("gpu") == "CPU":
-        options["cpu_mem_budget"] = rec.context().capacity_bytes
-    return SearchRequest(ctx=rec.context(), allowed=allowed, backend=rec.backend, trials=int(b.get("trials", 1)),
-                         timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)),
+    return SearchRequest(ctx=rec.context(), allowed=Allowed.from_dict(rec.allowed), backend=rec.backend,
+                         trials=int(b.get("trials", 1)), timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)),
                          evaluator_options=options if rec.backend == "measured" else {})
 
 
@@ -675,28 +666,28 @@ def _unmasked(exc: BaseException) -> BaseException:
 
 
 class _Outage:
-    """Backoff while the database is away (PostgreSQL restarting); one clear error after too long."""
+    """The store's backoff while the database is away (PostgreSQL restarting), around the
+    work loop's whole claim; one clear error, that says how to resume, after too long."""
 
     def __init__(self, store):
+        from autofit.store.store import Backoff
+
         self.store = store
-        self.clear()
+        self.backoff = Backoff()
 
     def clear(self) -> None:
-        self.delay, self.waited = 0.5, 0.0
+        self.backoff.clear()
 
     def wait_or_raise(self, exc: BaseException) -> None:
-        from autofit.store.store import RETRY_TOTAL_S, is_transient
+        from autofit.store.store import is_transient
 
         if not is_transient(exc):
             raise exc
-        if self.waited >= RETRY_TOTAL_S:
+        if not self.backoff.retry(exc):
             raise AutofitError(
-                f"the database ({self.store.masked_url}) is unreachable after {self.waited:.0f} s of retries; "
+                f"the database ({self.store.masked_url}) is unreachable after {self.backoff.waited:.0f} s of retries; "
                 "every finished trial is stored — resume with `autofit search ... --resume`"
             ) from exc
-        time.sleep(self.delay)
-        self.waited += self.delay
-        self.delay = min(self.delay * 2, 8.0)
 
     @staticmethod
     def fail_trial(study, number: int) -> bool:
@@ -791,15 +782,16 @@ def follow(store, study: str, *, progress: Progress | None = None, poll_s: float
 
 def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = False, ending: str = "done",
              elapsed: float = 0.0) -> SearchOutcome:
+    """The study's answer by the rule every command shares (``autofit.results.ranked``)."""
     results = tuple(store.trial_result(t) for t in store.trials(study_rec.id))
-    fitting = [r for r in results if r.fits]
-    best = max(fitting, key=lambda r: r.tokens_per_sec, default=None)
+    fitting = ranked(results)
+    best = fitting[0] if fitting else None
     per_method: dict[str, TrialResult] = {}
-    for r in sorted(fitting, key=lambda r: -r.tokens_per_sec):
+    for r in fitting:
         per_method.setdefault(r.plan.method.value, r)
     closest, advice = None, ()
     if best is None:
-        with_memory = [r for r in results if r.memory is not None]
+        with_memory = [r for r in authoritative(results)[0] if r.memory is not None]
         closest = min(with_memory, key=lambda r: r.memory.device_total, default=None)
         advice = tuple(what_it_would_take(request, closest))
     return SearchOutcome(

@@ -87,6 +87,19 @@ class Allowed:
             "lora_targets": [self.lora_targets.value],
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Allowed":
+        """The inverse of :meth:`as_dict`; reads a study's stored ``allowed`` too (values as
+        sorted strings). An absent or empty list means the default, as on the command line."""
+        default = cls()
+        return cls(
+            methods=tuple(Method(m) for m in d.get("methods") or ()) or default.methods,
+            optimizers=tuple(Optimizer(o) for o in d.get("optimizers") or ()) or default.optimizers,
+            precisions=tuple(Precision(p) for p in d.get("precisions") or ()),
+            lora_ranks=tuple(int(r) for r in d.get("lora_ranks") or ()) or default.lora_ranks,
+            lora_targets=LoraTargets((d.get("lora_targets") or [default.lora_targets.value])[0]),
+        )
+
 
 @dataclass(frozen=True)
 class SearchSpace:

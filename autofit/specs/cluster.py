@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from autofit.errors import SpecError
-from autofit.specs.gpus import GiB, GPUSpec, resolve_gpu
+from autofit.specs.gpus import GiB, GPUSpec, cpu_device, resolve_gpu
 
 # Default inter-node bandwidth per GPU, GB/s one direction: a 200 Gb/s InfiniBand or
 # RoCE NIC shared by the node's GPUs is typical of cloud training instances.
@@ -62,13 +62,33 @@ class ClusterSpec:
         return base if self.nodes == 1 else f"{self.nodes}x({base})"
 
     def as_dict(self) -> dict:
-        return {
+        """What rebuilds this cluster (:meth:`from_dict`): catalog GPUs by name; the local CPU
+        target also by the memory budget of a rank (``--cpu-mem-budget``), which is the request's."""
+        d = {
             "gpu": self.gpu.name,
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "host_memory_bytes": self.host_memory_bytes,
             "inter_node_gbps": self.inter_node_gbps,
         }
+        if self.gpu.kind == "cpu":
+            d["cpu_memory_bytes"] = self.gpu.memory_bytes
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        """The inverse of :meth:`as_dict`. A CPU target stored without its memory (by an older
+        autofit) gets this machine's RAM, as ``--gpus 1xcpu`` without ``--cpu-mem-budget`` does."""
+        gpu = resolve_gpu(d["gpu"])
+        if gpu.kind == "cpu" and d.get("cpu_memory_bytes") is not None:
+            gpu = cpu_device(int(d["cpu_memory_bytes"]))
+        return cls(
+            gpu=gpu,
+            gpus_per_node=int(d.get("gpus_per_node", 1)),
+            nodes=int(d.get("nodes", 1)),
+            host_memory_bytes=int(d.get("host_memory_bytes") or 0),
+            inter_node_gbps=float(d.get("inter_node_gbps", DEFAULT_INTER_NODE_GBPS)),
+        )
 
 
 def _is_gpu(name: str) -> bool:

@@ -90,6 +90,11 @@ class LengthDistribution:
     def as_dict(self) -> dict:
         return {"histogram": [list(x) for x in self.histogram], "source": self.source}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "LengthDistribution":
+        """The inverse of :meth:`as_dict`."""
+        return cls(tuple((int(n), int(c)) for n, c in d["histogram"]), d.get("source") or "")
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -137,6 +142,13 @@ class Workload:
             "global_batch": self.global_batch,
             "lengths": self.lengths.as_dict() if self.lengths else None,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Workload":
+        """The inverse of :meth:`as_dict`."""
+        lengths = d.get("lengths")
+        return cls(seq_len=int(d["seq_len"]), global_batch=int(d["global_batch"]),
+                   lengths=LengthDistribution.from_dict(lengths) if lengths else None)
 
 
 def load_lengths(path: str, tokenizer=None) -> LengthDistribution:

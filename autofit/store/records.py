@@ -63,23 +63,10 @@ class StudyRecord:
 
     def context(self) -> Target:
         """The request's target rebuilt from what was stored (for resume and export)."""
-        from autofit.specs import ClusterSpec, LengthDistribution, ModelSpec, Workload, resolve_gpu
+        from autofit.specs import ClusterSpec, ModelSpec, Workload
 
-        c = self.cluster
-        cluster = ClusterSpec(
-            gpu=resolve_gpu(c["gpu"]),
-            gpus_per_node=int(c["gpus_per_node"]),
-            nodes=int(c["nodes"]),
-            host_memory_bytes=int(c["host_memory_bytes"]),
-            inter_node_gbps=float(c["inter_node_gbps"]),
-        )
-        w = self.workload
-        lengths = None
-        if w.get("lengths"):
-            hist = tuple((int(n), int(k)) for n, k in w["lengths"]["histogram"])
-            lengths = LengthDistribution(hist, w["lengths"].get("source", ""))
-        workload = Workload(seq_len=int(w["seq_len"]), global_batch=int(w["global_batch"]), lengths=lengths)
-        return Target(ModelSpec.from_dict(self.model_spec), cluster, workload, self.headroom)
+        return Target(ModelSpec.from_dict(self.model_spec), ClusterSpec.from_dict(self.cluster),
+                      Workload.from_dict(self.workload), self.headroom)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -135,6 +122,15 @@ class TrialRecord:
     @property
     def step_time_s(self) -> float | None:
         return self.throughput.step_time_s if self.throughput else None
+
+    @classmethod
+    def of(cls, result: TrialResult, *, id: int, study_id: int, number: int, optuna_trial_id: int | None,
+           plan_id: str, created_at: datetime.datetime) -> "TrialRecord":
+        """The record of ``result`` stored in the row with these ids (the inverse of :meth:`result`)."""
+        return cls(id=id, study_id=study_id, number=number, optuna_trial_id=optuna_trial_id, plan=result.plan,
+                   plan_id=plan_id, status=result.status, evaluator=result.evaluator, memory=result.memory,
+                   throughput=result.throughput, capacity_bytes=result.capacity_bytes, reason=result.reason,
+                   extra=dict(result.extra), duration_s=result.duration_s, created_at=created_at)
 
     def result(self) -> TrialResult:
         """The library object this row was recorded from."""

@@ -24,7 +24,7 @@ import warnings
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from sqlalchemy import case, create_engine, event, exists, func, or_, select
+from sqlalchemy import and_, case, create_engine, event, exists, func, or_, select
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
@@ -32,8 +32,7 @@ from sqlalchemy.pool import StaticPool
 
 from autofit.errors import PlanError, StoreError
 from autofit.specs import Target
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
-from autofit.plan import Plan
+from autofit.results import EVALUATORS, Status, TrialResult, fidelity
 from autofit.store import schema
 from autofit.store.models import ANATOMY_COLUMNS, VERSION_TABLE, StudyModel, TrialModel, utcnow
 from autofit.store.records import SchemaInfo, StudyRecord, StudyStatus, StudySummary, TrialRecord
@@ -44,8 +43,9 @@ if TYPE_CHECKING:
 ENV_VAR = "AUTOFIT_DB"
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
-# How faithful each evaluator is: a measurement of a plan overrides its predictions.
-FIDELITY = {"analytic": 0, "simulated": 1, "measured": 2}
+# The evaluators' fidelity as a mapping; it lives in autofit.results (EVALUATORS, fidelity).
+# Kept for the readers that still import it from here (report/plots.py, tests/report/test_plots.py).
+FIDELITY = {name: fidelity(name) for name in EVALUATORS}
 
 # Packages whose versions decide what a study found (read from metadata, never imported).
 _VERSIONED = ("autofit", "torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes",
@@ -180,26 +180,50 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+class Backoff:
+    """The wait between tries while the database is away: 0.5 s, doubling up to 8 s, until
+    :data:`RETRY_TOTAL_S` seconds of waiting are spent. The one backoff of autofit: store calls
+    (:func:`retrying`) and the search's work loop (``autofit.search.loop``) both wait with it."""
+
+    FIRST_S = 0.5
+    MAX_S = 8.0
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Start over (the database answered)."""
+        self.delay, self.waited = self.FIRST_S, 0.0
+
+    def retry(self, exc: BaseException) -> bool:
+        """Wait before the next try and say True, where ``exc`` is a transient error and time
+        is left; say False at once where the caller should give up (and raise)."""
+        if not is_transient(exc) or self.waited >= RETRY_TOTAL_S:
+            return False
+        time.sleep(self.delay)
+        self.waited += self.delay
+        self.delay = min(self.delay * 2, self.MAX_S)
+        return True
+
+
 def retrying(fn):
-    """Retry a whole store call (one transaction) on transient errors, with exponential backoff."""
+    """Retry a whole store call (one transaction) on transient errors, with :class:`Backoff`."""
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        delay, waited = 0.5, 0.0
+        backoff = Backoff()
         while True:
             try:
                 return fn(self, *args, **kwargs)
             except (StoreError, SQLAlchemyError) as exc:
-                if not is_transient(exc) or waited >= RETRY_TOTAL_S:
-                    if is_transient(exc):
-                        raise StoreError(
-                            f"the database ({self.masked_url}) is unreachable after {waited:.0f} s of retries: "
-                            f"{str(exc).splitlines()[0][:200]}; what was stored is kept — resume with --resume"
-                        ) from exc
-                    raise
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, 8.0)
+                if backoff.retry(exc):
+                    continue
+                if is_transient(exc):
+                    raise StoreError(
+                        f"the database ({self.masked_url}) is unreachable after {backoff.waited:.0f} s of retries: "
+                        f"{str(exc).splitlines()[0][:200]}; what was stored is kept — resume with --resume"
+                    ) from exc
+                raise
 
     return wrapper
 
@@ -259,16 +283,18 @@ def request_key(ctx: Target, *, backend: str, allowed: Mapping[str, Iterable[Any
     workload = ctx.workload.as_dict()
     if workload.get("lengths"):
         workload["lengths"] = {"histogram": workload["lengths"]["histogram"]}
+    cluster = ctx.cluster.as_dict()
+    cpu_memory = cluster.pop("cpu_memory_bytes", None)  # keys stay what they were before clusters stored it
     blob = {
         "model": ctx.model.fingerprint,
-        "cluster": ctx.cluster.as_dict(),
+        "cluster": cluster,
         "workload": workload,
         "allowed": _canonical_allowed(allowed),
         "backend": backend,
         "headroom": round(float(ctx.headroom), 9),
     }
-    if ctx.cluster.gpu.kind == "cpu":  # the CPU target's memory is the request's budget (--cpu-mem-budget)
-        blob["cpu_memory_bytes"] = ctx.cluster.gpu.memory_bytes
+    if cpu_memory is not None:  # the CPU target's memory is the request's budget (--cpu-mem-budget)
+        blob["cpu_memory_bytes"] = cpu_memory
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -363,47 +389,61 @@ def _study_record(row: StudyModel) -> StudyRecord:
 
 
 def _trial_record(row: TrialModel) -> TrialRecord:
-    where = f"trial {row.number} of study {row.study_id}"
-    try:
-        plan = Plan.from_dict(row.plan)
-        status = Status(row.status)
-    except (PlanError, ValueError) as exc:
-        raise StoreError(f"{where} holds a result this autofit cannot read ({exc}); upgrade autofit") from None
     values = {c: getattr(row, c) for c in ANATOMY_COLUMNS}
-    memory = None if all(v is None for v in values.values()) else MemoryAnatomy.from_dict(values)
-    return TrialRecord(
-        id=row.id,
-        study_id=row.study_id,
-        number=row.number,
-        optuna_trial_id=row.optuna_trial_id,
-        plan=plan,
-        plan_id=row.plan_id,
-        status=status,
-        evaluator=row.evaluator,
-        memory=memory,
-        throughput=Throughput.from_dict(row.throughput) if row.throughput is not None else None,
-        capacity_bytes=int(row.capacity_bytes or 0),
-        reason=row.reason or "",
-        extra=dict(row.extra or {}),
-        duration_s=float(row.duration_s or 0.0),
-        created_at=_utc(row.created_at),
-    )
+    try:  # the row's columns in TrialResult.as_dict()'s shape
+        result = TrialResult.from_dict({
+            "plan": row.plan,
+            "status": row.status,
+            "evaluator": row.evaluator,
+            "memory": None if all(v is None for v in values.values()) else values,
+            "throughput": row.throughput,
+            "capacity_bytes": row.capacity_bytes,
+            "reason": row.reason,
+            "duration_s": row.duration_s,
+            "extra": row.extra,
+        })
+    except (PlanError, ValueError) as exc:
+        raise StoreError(f"trial {row.number} of study {row.study_id} holds a result this autofit cannot read "
+                         f"({exc}); upgrade autofit") from None
+    return TrialRecord.of(result, id=row.id, study_id=row.study_id, number=row.number,
+                          optuna_trial_id=row.optuna_trial_id, plan_id=row.plan_id, created_at=_utc(row.created_at))
 
 
 def _fidelity(column: Any) -> Any:
-    return case(FIDELITY, value=column, else_=0)
+    """``autofit.results.fidelity`` in SQL: the evaluator's place in EVALUATORS, -1 for others."""
+    return case({name: i for i, name in enumerate(EVALUATORS)}, value=column, else_=-1)
 
 
 def _authoritative_fits() -> list[Any]:
-    """Conditions on TrialModel: fits, has a speed, and no more faithful evaluation of the
-    same plan in the same study exists (a measured OOM overrides a predicted fit)."""
+    """``autofit.results.ranked``'s rule as conditions on TrialModel: the row fits, has a
+    speed, and is its plan's authoritative evaluation in its study — no more faithful
+    evaluation of the plan exists, nor a later one (trial number, then id: the order of
+    :meth:`Store.trials`) as faithful (a measured OOM overrides a predicted fit). Order the
+    rows by :func:`_answer_order` to rank them as the Python rule does."""
     other = aliased(TrialModel)
+    mine, theirs = _fidelity(TrialModel.evaluator), _fidelity(other.evaluator)
+    later = or_(other.number > TrialModel.number, and_(other.number == TrialModel.number, other.id > TrialModel.id))
     superseded = exists().where(
         other.study_id == TrialModel.study_id,
         other.plan_id == TrialModel.plan_id,
-        _fidelity(other.evaluator) > _fidelity(TrialModel.evaluator),
+        or_(theirs > mine, and_(theirs == mine, later)),
     )
     return [TrialModel.status == Status.FITS.value, TrialModel.tokens_per_sec.is_not(None), ~superseded]
+
+
+def _answer_order() -> tuple[Any, ...]:
+    """Fastest first; among equally fast rows, the plan evaluated first in its study (the
+    (number, id) of its first row), as ``autofit.results.ranked`` breaks ties; across
+    studies, the older study first."""
+    first, same = aliased(TrialModel), aliased(TrialModel)
+    first_number = (select(func.min(first.number))
+                    .where(first.study_id == TrialModel.study_id, first.plan_id == TrialModel.plan_id)
+                    .correlate(TrialModel).scalar_subquery())
+    first_id = (select(func.min(same.id))
+                .where(same.study_id == TrialModel.study_id, same.plan_id == TrialModel.plan_id,
+                       same.number == first_number)
+                .correlate(TrialModel).scalar_subquery())
+    return TrialModel.tokens_per_sec.desc(), TrialModel.study_id, first_number, first_id
 
 
 class Store:
@@ -820,7 +860,7 @@ class Store:
             ):
                 counts.setdefault(study_id, {})[status] = n
             rank = func.row_number().over(
-                partition_by=TrialModel.study_id, order_by=(TrialModel.tokens_per_sec.desc(), TrialModel.id)
+                partition_by=TrialModel.study_id, order_by=_answer_order()
             ).label("rank")
             ranked = select(TrialModel.id, rank).where(TrialModel.study_id.in_(ids), *_authoritative_fits()).subquery()
             best = {
@@ -917,7 +957,7 @@ class Store:
         if headroom is not None:
             query = query.where(TrialModel.device_total <= TrialModel.capacity_bytes * (1.0 - headroom))
         with self.session_scope() as s:
-            row = s.scalars(query.order_by(TrialModel.tokens_per_sec.desc(), TrialModel.id).limit(1)).one_or_none()
+            row = s.scalars(query.order_by(*_answer_order()).limit(1)).one_or_none()
             return _trial_record(row) if row is not None else None
 
     @staticmethod

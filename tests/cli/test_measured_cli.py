@@ -51,7 +51,7 @@ def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
         assert x.extra["predicted"]["evaluator"] == "analytic"  # the stored pair
     fits = [x for x in measured if x.status.value == "fits"]
     ooms = [x for x in measured if x.status.value == "oom"]
-    screened = [x for x in rows if x.status.value == "pruned" and x.reason.startswith("predicted not to fit")]
+    screened = [x for x in rows if x.status.value == "screened" and x.reason.startswith("predicted not to fit")]
     assert fits and ooms and screened
     for x in ooms:  # stopped at the first allocation over the budget, within its first steps
         assert x.extra["budget_hit"]["budget"] == 36 * 2**20 and x.extra["budget_hit"]["step"] <= 1

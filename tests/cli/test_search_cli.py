@@ -150,3 +150,38 @@ def test_the_worker_hint_is_shell_quoted(tmp_path):
     assert argv[argv.index("--study") + 1] == bad
     assert resolve_url(argv[argv.index("--db") + 1]).database == str(path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_export_show_history_and_best_pick_the_same_trial(db_url, tmp_path):
+    """A measured OOM overrides the fastest prediction and a measured fit comes in slower than
+    predicted: every command answers with the one rule (``autofit.results.ranked``), so the
+    trial ``export`` writes is the winner ``show`` marks (export used to take the fastest
+    fitting row, superseded or not)."""
+    import dataclasses
+
+    from autofit.results import Status
+    from autofit.search.loop import request_from_study, stored_outcome
+    from autofit.store import Store
+    from tests.store.samples import gpt2_ctx, gpt2_results
+
+    ctx = gpt2_ctx()
+    fast, slow, _, _ = gpt2_results(ctx)
+    with Store(db_url) as store:
+        rec = store.create_study(ctx, backend="measured", name="superseded")
+        store.record_trial(rec.id, fast)  # #0: predicted fastest
+        store.record_trial(rec.id, slow)  # #1
+        store.record_trial(rec.id, dataclasses.replace(fast, evaluator="measured", status=Status.OOM,
+                                                       throughput=None, reason="CUDA out of memory"))  # #2
+        store.finish_study(rec.id)
+        outcome = stored_outcome(request_from_study(rec), store, store.get_study(rec.id))
+    shown = json.loads(run("show", "superseded", "--db", db_url, "--json").stdout)
+    winner = shown["standing"]["best"]
+    numbers = [t["number"] for t in shown["trials"]
+               if (t["plan_id"], t["evaluator"]) == (winner["plan_id"], winner["evaluator"])]
+    assert winner["plan_id"] == slow.plan.plan_id and numbers == [1]
+    exported = json.loads(run("export", "superseded", "--out", tmp_path / "cfg", "--db", db_url, "--json").stdout)
+    assert exported["trial"] == 1
+    assert outcome.best.plan == slow.plan  # the search's own answer
+    assert json.loads(run("history", "--db", db_url, "--json").stdout)[0]["best"]["number"] == 1
+    best = json.loads(run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, "--json").stdout)
+    assert best["trial"] == 1

@@ -289,3 +289,42 @@ def test_a_trial_orphaned_inside_ask_by_a_lost_connection_is_failed_not_waited_f
     assert len(store.trials(out.study.id)) == 6
     states = [t.state.name for t in _optuna_trials(store, out.study)]
     assert "RUNNING" not in states and states.count("FAIL") == 1
+
+
+class _StubEvaluator:
+    """A stand-in for an expensive backend: the analytic figures under another name; the
+    pruner stops every plan of one method (what the measured evaluator returns then)."""
+
+    name = "simulated"
+
+    def evaluate(self, plan, ctx, on_step=None):
+        from autofit.evaluators.analytic import AnalyticEvaluator
+
+        r = dataclasses.replace(AnalyticEvaluator().evaluate(plan, ctx), evaluator=self.name)
+        if r.fits and plan.method.value == "lora":
+            return dataclasses.replace(r, status=Status.PRUNED, reason="stopped at step 2: cannot beat the best",
+                                       extra={"pruned_by": "pruner"})
+        return r
+
+
+def test_screened_and_pruned_are_two_statuses(store, monkeypatch):
+    """A plan predicted not to fit is ``screened`` (never evaluated); a run the pruner stops is
+    ``pruned``, and only that one is a pruned Optuna trial."""
+    import optuna
+
+    import autofit.search.loop as loop
+
+    monkeypatch.setattr(loop, "get_evaluator", lambda backend, **kw: _StubEvaluator())
+    ctx = build_context("llama-3.2-1b", "1xA10", seq_len=2048, global_batch=8)
+    out = run_search(SearchRequest(ctx=ctx, backend="simulated", trials=16), store)
+    rows = store.trials(out.study.id)
+    screened = [t for t in rows if t.status is Status.SCREENED]
+    pruned = [t for t in rows if t.status is Status.PRUNED]
+    assert screened and pruned
+    assert all(t.evaluator == "analytic" and t.reason.startswith("predicted not to fit") for t in screened)
+    assert all(t.evaluator == "simulated" and t.extra["pruned_by"] == "pruner" for t in pruned)
+    assert out.counts()["screened"] == len(screened) and out.counts()["pruned"] == len(pruned)
+    study = optuna.load_study(study_name=out.study.optuna_study_name, storage=store.optuna_storage())
+    states = {t._trial_id: t.state for t in study.trials}
+    assert {states[t.optuna_trial_id] for t in pruned} == {optuna.trial.TrialState.PRUNED}
+    assert optuna.trial.TrialState.PRUNED not in {states[t.optuna_trial_id] for t in screened}

@@ -77,3 +77,34 @@ def test_contradictory_choices_are_refused():
         space("gpt2", "1xT4", allowed=Allowed.parse(precisions="bf16-mixed"))
     with pytest.raises(SpecError, match="multiple of the 2 GPUs"):
         space(global_batch=15)
+
+
+# -- Allowed.from_dict: the inverse of as_dict, and what a study stored -------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from autofit.plan import LoraTargets  # noqa: E402
+
+
+def _some(enum):
+    return st.lists(st.sampled_from(list(enum)), min_size=1, max_size=len(enum), unique=True).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(methods=_some(Method), optimizers=_some(Optimizer), precisions=_some(Precision) | st.just(()),
+       ranks=st.lists(st.integers(1, 256), min_size=1, max_size=4, unique=True).map(tuple),
+       targets=st.sampled_from(list(LoraTargets)))
+def test_allowed_round_trips(methods, optimizers, precisions, ranks, targets):
+    a = Allowed(methods=methods, optimizers=optimizers, precisions=precisions, lora_ranks=ranks, lora_targets=targets)
+    assert Allowed.from_dict(a.as_dict()) == a
+
+
+def test_allowed_from_what_a_study_stored():
+    """The store keeps allowed choices as sorted strings, and only the keys given; the rest is the default."""
+    from autofit.store.store import _canonical_allowed
+
+    a = Allowed.parse(methods="qlora,lora", lora_ranks="64,8")
+    back = Allowed.from_dict(_canonical_allowed(a.as_dict()))
+    assert set(back.methods) == set(a.methods) and set(back.lora_ranks) == {8, 64}
+    assert Allowed.from_dict({"methods": ["full"]}) == Allowed(methods=(Method.FULL,))
+    assert Allowed.from_dict({}) == Allowed()

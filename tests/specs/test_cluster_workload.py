@@ -100,3 +100,59 @@ def test_cpu_device_defaults_to_the_physical_memory():
     from autofit.specs.gpus import cpu_device, physical_memory_bytes
 
     assert cpu_device().memory_bytes == physical_memory_bytes() > 0
+
+
+# -- round trips: from_dict(as_dict()) is the identity, through JSON too --------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from autofit.specs import GPUS, ClusterSpec  # noqa: E402
+from autofit.specs.gpus import cpu_device  # noqa: E402
+
+
+def _through_json(d: dict) -> dict:
+    return json.loads(json.dumps(d))
+
+
+@settings(max_examples=60, deadline=None)
+@given(gpu=st.sampled_from(sorted(GPUS)), per_node=st.integers(1, 16), nodes=st.integers(1, 64),
+       host=st.sampled_from([0, 64 * 2**30, 1536 * 2**30]), gbps=st.sampled_from([25.0, 50.0, 12.5]))
+def test_cluster_round_trips(gpu, per_node, nodes, host, gbps):
+    c = ClusterSpec(gpu=GPUS[gpu], gpus_per_node=per_node, nodes=nodes, host_memory_bytes=host, inter_node_gbps=gbps)
+    assert ClusterSpec.from_dict(_through_json(c.as_dict())) == c
+    assert "cpu_memory_bytes" not in c.as_dict()  # a catalog GPU is its name
+
+
+@settings(max_examples=20, deadline=None)
+@given(budget=st.integers(2**20, 2**40), ranks=st.integers(1, 4))
+def test_the_cpu_target_round_trips_with_its_memory_budget(budget, ranks):
+    """--gpus Nxcpu --cpu-mem-budget: the budget is the device's memory, and comes back with it."""
+    c = ClusterSpec(gpu=cpu_device(budget), gpus_per_node=ranks)
+    back = ClusterSpec.from_dict(_through_json(c.as_dict()))
+    assert back == c and back.gpu.memory_bytes == budget
+
+
+def test_a_cpu_cluster_stored_without_its_budget_gets_this_machines_memory():
+    """What an older autofit stored: the name only (as `--gpus 1xcpu` without a budget)."""
+    d = ClusterSpec(gpu=cpu_device(2**30)).as_dict()
+    del d["cpu_memory_bytes"]
+    assert ClusterSpec.from_dict(d).gpu == cpu_device()
+
+
+_histograms = st.dictionaries(st.integers(1, 10_000), st.integers(1, 1000), min_size=1, max_size=8).map(
+    lambda d: tuple(sorted(d.items())))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hist=_histograms, source=st.text(max_size=20))
+def test_length_distribution_round_trips(hist, source):
+    d = LengthDistribution(hist, source)
+    assert LengthDistribution.from_dict(_through_json(d.as_dict())) == d
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq_len=st.integers(1, 8192), global_batch=st.integers(1, 512), hist=st.none() | _histograms)
+def test_workload_round_trips(seq_len, global_batch, hist):
+    w = Workload(seq_len=seq_len, global_batch=global_batch,
+                 lengths=LengthDistribution(hist, "lengths.json") if hist else None)
+    assert Workload.from_dict(_through_json(w.as_dict())) == w

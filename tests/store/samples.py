@@ -24,15 +24,15 @@ def llama_ctx() -> Target:
 
 
 def gpt2_results(ctx: Target) -> list[TrialResult]:
-    """[fast fit, slow fit, OOM (faster than both), pruned without an anatomy]."""
+    """[fast fit, slow fit, OOM (faster than both), screened without an anatomy]."""
     ev = AnalyticEvaluator()
     gb = ctx.workload.global_batch
     fast = ev.evaluate(Plan(micro_batch=4, grad_accum=gb // 4), ctx)
     slow = ev.evaluate(Plan(micro_batch=1, grad_accum=gb, checkpointing="full"), ctx)
     oom = ev.evaluate(Plan(micro_batch=gb, grad_accum=1), ctx)
-    pruned = TrialResult(
+    screened = TrialResult(
         plan=Plan(method="lora", lora_rank=16, micro_batch=2, grad_accum=gb // 2),
-        status=Status.PRUNED,
+        status=Status.SCREENED,
         evaluator="analytic",
         reason="predicted not to fit before launch",
         duration_s=0.25,
@@ -40,7 +40,7 @@ def gpt2_results(ctx: Target) -> list[TrialResult]:
     )
     assert (fast.status, slow.status, oom.status) == (Status.FITS, Status.FITS, Status.OOM)
     assert oom.tokens_per_sec > fast.tokens_per_sec > slow.tokens_per_sec
-    return [fast, slow, oom, pruned]
+    return [fast, slow, oom, screened]
 
 
 def llama_results(ctx: Target) -> list[TrialResult]:

@@ -3,6 +3,7 @@ rows, mismatched ones are refused clearly, and Optuna's tables live beside ours.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,9 +13,11 @@ import textwrap
 
 import optuna
 import pytest
+import sqlalchemy as sa
 from sqlalchemy import create_engine, inspect, text
 
 from autofit.errors import StoreError
+from autofit.results import Status
 from autofit.store import Store, schema
 from autofit.store.models import Base
 from tests.store.samples import ALLOWED, gpt2_ctx, gpt2_results
@@ -22,6 +25,7 @@ from tests.store.samples import ALLOWED, gpt2_ctx, gpt2_results
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUTURE = "9999"
+HEAD = "0002"
 
 
 @pytest.fixture(scope="session")
@@ -71,13 +75,13 @@ def _fill(store: Store) -> tuple[int, list]:
 
 def test_new_database_is_created_at_head(db_url):
     with Store(db_url) as store:
-        assert store.current_revision() == Store.head_revision() == "0001"
-        assert Store.revisions() == ["0001"]
+        assert store.current_revision() == Store.head_revision() == HEAD
+        assert Store.revisions() == ["0001", "0002"]
         with store.engine.connect() as conn:
             tables = set(inspect(conn).get_table_names())
         assert {"autofit_studies", "autofit_trials", "autofit_alembic_version"} <= tables
         assert not tables & {"studies", "trials", "alembic_version"}  # Optuna's names stay free
-        assert store.upgrade() == ("0001", "0001")  # idempotent
+        assert store.upgrade() == (HEAD, HEAD)  # idempotent
 
 
 def test_orm_matches_migrated_schema(store):
@@ -107,7 +111,7 @@ def test_optuna_and_autofit_share_one_database(store):
         tables = set(inspect(conn).get_table_names())
         assert {"studies", "trials", "alembic_version", "autofit_studies", "autofit_trials",
                 "autofit_alembic_version"} <= tables
-        assert conn.execute(text("SELECT version_num FROM autofit_alembic_version")).scalar_one() == "0001"
+        assert conn.execute(text("SELECT version_num FROM autofit_alembic_version")).scalar_one() == HEAD
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == storage.get_head_version()
     assert store.schema_diff() == []
     with Store(store.url) as again:  # reopening sees our revision, not Optuna's
@@ -121,7 +125,7 @@ def test_optuna_first_then_autofit(db_url):
     optuna.create_study(storage=storage, study_name="first")
     storage.engine.dispose()
     with Store(db_url) as store:
-        assert store.current_revision() == "0001" and store.schema_diff() == []
+        assert store.current_revision() == HEAD and store.schema_diff() == []
         assert optuna.load_study(study_name="first", storage=store.optuna_storage()).study_name == "first"
 
 
@@ -130,6 +134,15 @@ def test_every_revision_has_a_fixture_database():
     for revision in Store.revisions():
         assert os.path.exists(os.path.join(FIXTURES, f"autofit-{revision}.db")), revision
         assert os.path.exists(os.path.join(FIXTURES, f"autofit-{revision}.json")), revision
+
+
+def _migrated(revision: str, trial: dict) -> dict:
+    """A trial row as a fixture of ``revision`` recorded it, with the data migrations after
+    that revision applied (what upgrading to the head must turn it into)."""
+    trial = json.loads(json.dumps(trial))
+    if revision < "0002" and trial["status"] == "pruned" and (trial.get("extra") or {}).get("pruned_by") != "pruner":
+        trial["status"] = "screened"  # 0002: screened out before evaluation is not pruned by the pruner
+    return trial
 
 
 def _subset(expected, actual, where=""):
@@ -162,25 +175,82 @@ def test_fixture_database_upgrades_to_head_keeping_every_row(revision, tmp_path)
             trials = store.trials(summary.study.id)
             assert len(trials) == len(expected["trials"])
             for want, got in zip(expected["trials"], trials):
-                _subset(want, got.as_dict(), f"{summary.study.name}#{got.number}")
+                _subset(_migrated(revision, want), got.as_dict(), f"{summary.study.name}#{got.number}")
         gpt2 = store.get_study("fixture-gpt2")
         assert gpt2.context().model.fingerprint == gpt2.model_fingerprint
         assert store.find_finished_study(gpt2.request_key) == gpt2
 
 
+def _at_0001(db_url: str) -> Store:
+    """A database at revision 0001 (its schema is the head's: 0002 changes only data)."""
+    store = Store(db_url, check_schema=False)
+    store.upgrade("0001")
+    assert store.current_revision() == "0001"
+    return store
+
+
+def test_0002_tells_screened_from_pruned_by_the_pruner(db_url):
+    """Revision 0001 stored both as ``pruned``; ``extra.pruned_by`` says which one a row was."""
+    ctx = gpt2_ctx()
+    fast, slow, oom, screened = gpt2_results(ctx)
+    old_screened = dataclasses.replace(screened, status=Status.PRUNED)  # how 0001's search recorded it
+    by_pruner = dataclasses.replace(slow, evaluator="measured", status=Status.PRUNED, extra={"pruned_by": "pruner"})
+    with _at_0001(db_url) as store:
+        study = store.create_study(ctx, backend="measured", name="old")
+        for r in (fast, old_screened, by_pruner, oom):
+            store.record_trial(study.id, r)
+        assert store.upgrade() == ("0001", HEAD)
+    with Store(db_url) as store:
+        assert [t.status for t in store.trials(study.id)] == [Status.FITS, Status.SCREENED, Status.PRUNED, Status.OOM]
+        assert store.list_studies()[0].counts == {"fits": 1, "screened": 1, "pruned": 1, "oom": 1}
+        from alembic import command
+
+        with store.engine.begin() as conn:  # down: both are "pruned" again, told apart by extra
+            command.downgrade(schema.alembic_config(Store.script_location, conn), "0001")
+        with store.engine.connect() as conn:
+            statuses = conn.execute(text("SELECT status FROM autofit_trials ORDER BY id")).scalars().all()
+        assert statuses == ["fits", "pruned", "pruned", "oom"]
+        assert store.upgrade() == ("0001", HEAD)  # and up again
+        assert [t.status for t in store.trials(study.id)] == [Status.FITS, Status.SCREENED, Status.PRUNED, Status.OOM]
+
+
+def test_0002_recovers_the_memory_budget_of_a_cpu_study(db_url):
+    """0001 stored a ``--gpus 1xcpu --cpu-mem-budget`` study's cluster without the budget;
+    every evaluation recorded it as its capacity, and the upgrade writes it back."""
+    from autofit.evaluators.analytic import AnalyticEvaluator
+    from autofit.plan import Plan
+    from autofit.search.request import build_context
+
+    ctx = build_context("gpt2", "1xcpu", seq_len=256, global_batch=8, cpu_mem_budget="3GiB")
+    with _at_0001(db_url) as store:
+        study = store.create_study(ctx, backend="analytic", name="cpu")
+        store.record_trial(study.id, AnalyticEvaluator().evaluate(Plan(micro_batch=8, grad_accum=1), ctx))
+        store.create_study(ctx, backend="analytic", name="cpu-empty")
+        studies = sa.table("autofit_studies", sa.column("id", sa.Integer()), sa.column("cluster", sa.JSON()))
+        with store.engine.begin() as conn:  # what 0001's autofit wrote: the name only
+            for row in conn.execute(sa.select(studies)).all():
+                cluster = {k: v for k, v in row.cluster.items() if k != "cpu_memory_bytes"}
+                conn.execute(studies.update().where(studies.c.id == row.id).values(cluster=cluster))
+        assert store.get_study("cpu").context().capacity_bytes != 3 * 2**30  # lost: this machine's RAM
+        store.upgrade()
+    with Store(db_url) as store:
+        assert store.get_study("cpu").context() == ctx
+        assert "cpu_memory_bytes" not in store.get_study("cpu-empty").cluster  # nothing to recover it from
+
+
 def test_old_database_is_refused_then_upgraded_keeping_rows(db_url, future_store):
-    with Store(db_url) as store:  # made by this autofit: revision 0001, with data
+    with Store(db_url) as store:  # made by this autofit: its head revision, with data
         study_id, records = _fill(store)
     with pytest.raises(StoreError) as err:
         future_store(db_url)
     masked = Store(db_url, check_schema=False).masked_url
     message = str(err.value)
-    assert message == (f"database {masked} has schema revision 0001, older than this autofit's {FUTURE}; "
+    assert message == (f"database {masked} has schema revision {HEAD}, older than this autofit's {FUTURE}; "
                        f"run `autofit db upgrade --db {masked}`")
 
     with future_store(db_url, check_schema=False) as newer:
         assert newer.schema_info().needs_upgrade
-        assert newer.upgrade() == ("0001", FUTURE)
+        assert newer.upgrade() == (HEAD, FUTURE)
         with newer.engine.connect() as conn:
             assert conn.execute(text("SELECT note FROM autofit_studies")).scalars().all() == ["upgraded"]
     with future_store(db_url) as newer:  # opens now without complaint
@@ -217,6 +287,6 @@ def test_concurrent_first_opens_migrate_once(db_url, tmp_path):
                               text=True, env=env) for _ in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [err for _, err in outs]
-    assert [out.strip() for out, _ in outs] == ["0001"] * 4
+    assert [out.strip() for out, _ in outs] == [HEAD] * 4
     with Store(db_url) as store:
         assert store.schema_diff() == []

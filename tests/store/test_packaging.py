@@ -16,6 +16,7 @@ MIGRATION_FILES = [  # migrations/ of the checkout, shipped as the package autof
     "autofit/migrations/env.py",
     "autofit/migrations/script.py.mako",
     "autofit/migrations/versions/0001_initial.py",
+    "autofit/migrations/versions/0002_screened_status.py",
 ]
 
 

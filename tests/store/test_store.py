@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
 from autofit.errors import StoreError
@@ -69,8 +73,8 @@ def test_anatomy_is_stored_in_columns_named_as_the_anatomy(store):
 
 def test_measured_result_is_kept_beside_the_prediction_and_overrides_it(store):
     study = _study(store)
-    fast, slow, oom, pruned = gpt2_results(gpt2_ctx())
-    for r in (fast, slow, oom, pruned):
+    fast, slow, oom, screened = gpt2_results(gpt2_ctx())
+    for r in (fast, slow, oom, screened):
         store.record_trial(study.id, r)
     assert store.best_trial(study.model_fingerprint, "1xA10").plan == fast.plan  # the OOM plan is faster but does not fit
 
@@ -81,7 +85,7 @@ def test_measured_result_is_kept_beside_the_prediction_and_overrides_it(store):
     assert store.best_trial(study.model_fingerprint, "1xA10").plan == slow.plan  # measured OOM beats predicted fit
     summary = store.list_studies()[0]
     assert summary.best.plan == slow.plan
-    assert summary.counts == {"fits": 2, "oom": 2, "pruned": 1} and summary.n_trials == 5
+    assert summary.counts == {"fits": 2, "oom": 2, "screened": 1} and summary.n_trials == 5
 
 
 def test_best_trial_across_studies_and_filters(store):
@@ -162,7 +166,7 @@ def test_list_studies_filters_and_summaries(store):
     by_id = {s.study.id: s for s in store.list_studies()}
     assert by_id[g.id].best_plan == gpt2_results(gpt2_ctx())[0].plan
     assert by_id[g.id].best_tokens_per_sec == pytest.approx(gpt2_results(gpt2_ctx())[0].tokens_per_sec, rel=1e-9)
-    assert by_id[g.id].counts == {"fits": 2, "oom": 1, "pruned": 1}
+    assert by_id[g.id].counts == {"fits": 2, "oom": 1, "screened": 1}
     assert by_id[empty.id].best is None and by_id[empty.id].n_trials == 0
     assert by_id[g.id].as_dict()["best"]["plan_id"] == gpt2_results(gpt2_ctx())[0].plan.plan_id
 
@@ -375,3 +379,106 @@ def test_importing_the_store_does_not_import_torch():
     code = "import sys, autofit.store, autofit.cli.db; assert 'torch' not in sys.modules, 'torch imported'"
     env = {**os.environ, "PYTHONPATH": ROOT}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+# -- the answer: one rule, in Python (autofit.results) and in the store's SQL ---------------------
+def _plans(ctx):
+    gb = ctx.workload.global_batch
+    ev = AnalyticEvaluator()
+    return [ev.evaluate(Plan(micro_batch=mb, grad_accum=gb // mb), ctx) for mb in (1, 2, 4, 8)]
+
+
+def _as(result, evaluator, status, tokens):
+    throughput = dataclasses.replace(result.throughput, tokens_per_sec=tokens) if tokens is not None else None
+    return dataclasses.replace(result, evaluator=evaluator, status=status, throughput=throughput)
+
+
+def _python_answer(store, study_id):
+    """The Python rule's winner among the study's rows, as the row it came from."""
+    from autofit.results import winner
+
+    trials = store.trials(study_id)
+    results = [t.result() for t in trials]
+    best = winner(results)
+    return None if best is None else next(t for t, r in zip(trials, results) if r is best)
+
+
+def test_store_best_and_the_python_rule_agree(store):
+    """A measured fit supersedes the prediction of its plan (slower than predicted), a measured
+    OOM overrides a predicted fit (the fastest prediction): the store's SQL answer (``best_trial``,
+    ``list_studies``) and ``autofit.results.winner`` pick the same row."""
+    from autofit.results import winner
+
+    ctx = gpt2_ctx()
+    a, b, c, _ = _plans(ctx)
+    study = _study(store, ctx)
+    rows = [
+        (a, "analytic", Status.FITS, 300.0),  # predicted fastest ...
+        (b, "analytic", Status.FITS, 150.0),
+        (c, "analytic", Status.FITS, 250.0),  # predicted second ...
+        (c, "measured", Status.FITS, 120.0),  # ... measured slower than b's prediction
+        (a, "measured", Status.OOM, None),  # ... measured out of memory
+    ]
+    for r, evaluator, status, tokens in rows:
+        store.record_trial(study.id, _as(r, evaluator, status, tokens))
+    expected = _python_answer(store, study.id)
+    assert (expected.plan, expected.evaluator, expected.tokens_per_sec) == (b.plan, "analytic", 150.0)
+    assert store.best_trial(study.model_fingerprint, ctx.cluster.label).id == expected.id
+    assert store.list_studies()[0].best.id == expected.id
+    # the naive answer (fastest fitting row, superseded or not) would be a's prediction
+    assert max((t for t in store.trials(study.id) if t.fits), key=lambda t: t.tokens_per_sec).plan == a.plan
+    assert winner([t.result() for t in store.trials(study.id)]).plan == b.plan
+
+
+_EVALUATORS = ("analytic", "simulated", "measured", "hand-made")  # an unknown name ranks below all
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_plans():
+    return tuple(_plans(gpt2_ctx()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(_EVALUATORS),
+                          st.sampled_from([Status.FITS, Status.FITS, Status.OOM, Status.SCREENED, Status.PRUNED]),
+                          st.sampled_from([100.0, 200.0, 300.0, None]), st.integers(0, 5)),
+                min_size=1, max_size=12))
+def test_store_best_and_the_python_rule_agree_on_any_study(evaluations):
+    """Any mix of evaluators, statuses, ties and trial numbers (rows of one plan recorded out of order)."""
+    ctx = gpt2_ctx()
+    plans = _gpt2_plans()
+    with Store("sqlite://") as store:
+        study = _study(store, ctx)
+        for plan, evaluator, status, tokens, number in evaluations:
+            store.record_trial(study.id, _as(plans[plan], evaluator, status, tokens), number=number)
+        expected = _python_answer(store, study.id)
+        best = store.best_trial(study.model_fingerprint, ctx.cluster.label)
+        assert (best.id if best else None) == (expected.id if expected else None)
+        summary = store.list_studies()[0].best
+        assert (summary.id if summary else None) == (expected.id if expected else None)
+
+
+# -- round trips --------------------------------------------------------------------------------
+def test_a_cpu_study_keeps_its_memory_budget(store):
+    """``--gpus 1xcpu --cpu-mem-budget`` sets the capacity every evaluation is judged by; a study
+    read back (show, report, export, workers) judges by the same, not by this machine's RAM."""
+    from autofit.search.loop import SearchRequest, request_from_study
+    from autofit.search.request import build_context
+
+    ctx = build_context("gpt2", "1xcpu", seq_len=256, global_batch=8, cpu_mem_budget="3GiB")
+    assert ctx.capacity_bytes == 3 * 2**30
+    study = store.create_study(ctx, backend="measured")
+    back = store.get_study(study.id).context()
+    assert back == ctx and back.capacity_bytes == back.cluster.gpu.memory_bytes == 3 * 2**30
+    assert back.budget_bytes == ctx.budget_bytes
+    request = request_from_study(store.get_study(study.id))
+    assert request.ctx == ctx and request.request_key == SearchRequest(ctx=ctx, backend="measured").request_key
+    assert study.request_key == request_key(ctx, backend="measured")
+
+
+def test_a_trial_result_round_trips_through_its_dict(store):
+    from autofit.results import TrialResult
+
+    for r in [*gpt2_results(gpt2_ctx()), *llama_results(llama_ctx())]:
+        assert TrialResult.from_dict(r.as_dict()) == r
+        assert TrialResult.from_dict(json.loads(json.dumps(r.as_dict()))) == r
