@@ -254,6 +254,7 @@ def side_summary(s: Side) -> dict:
         "best_mem": b.result.memory.device_total if b else 0,
         "oom": s.count("oom"),
         "failed": s.count("failed", "timeout"),
+        "screened": s.count("screened"),
         "pruned": s.count("pruned"),
         "skipped": sum(1 for r in s.rows if r.result is None),
     }
@@ -355,7 +356,7 @@ def main() -> None:
             ("wall time", "wall_s"), ("trials (stored results)", "trials"), ("runs launched", "launched"),
             ("trials to reach its best", "to_best"), ("time to its best", "time_to_best_s"),
             ("best plan", "best_plan"), ("best measured tokens/s", "best_tps"), ("its memory per rank", "best_mem"),
-            ("OOM trials", "oom"), ("failed / timeout trials", "failed"), ("pruned trials", "pruned"),
+            ("OOM trials", "oom"), ("failed / timeout trials", "failed"), ("screened trials", "screened"), ("pruned trials", "pruned"),
             ("stages skipped by rule", "skipped"))),
     ]
     lines = [

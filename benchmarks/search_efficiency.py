@@ -175,17 +175,6 @@ SIM_REQUEST = Request("gpt2-xl", "1xT4", global_batch=2)
 
 
 # -- results on disk ----------------------------------------------------------------------------
-def result_from_dict(d: dict[str, Any]) -> TrialResult:
-    """The inverse of ``TrialResult.as_dict()``."""
-    return TrialResult(
-        plan=Plan.from_dict(d["plan"]), status=Status(d["status"]), evaluator=d["evaluator"],
-        memory=MemoryAnatomy.from_dict(d["memory"]) if d.get("memory") else None,
-        throughput=Throughput.from_dict(d["throughput"]) if d.get("throughput") else None,
-        capacity_bytes=int(d.get("capacity_bytes", 0)), reason=d.get("reason", ""),
-        duration_s=float(d.get("duration_s", 0.0)), extra=dict(d.get("extra") or {}),
-    )
-
-
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -255,7 +244,7 @@ def read_table(path: Path) -> dict[str, TrialResult]:
             except json.JSONDecodeError:  # a line another process is writing right now
                 continue
             if "plan_id" in row:
-                table[row["plan_id"]] = result_from_dict(row["result"])
+                table[row["plan_id"]] = TrialResult.from_dict(row["result"])
     return table
 
 
@@ -384,7 +373,7 @@ def autofit_run(oracle: Oracle, budget: int, seed: int, *, screen: bool = True, 
     def progress(event: str, data: dict[str, Any]) -> None:
         if event == "trial-done":
             r = data["result"]
-            events.append((r, PRUNED if r.status is Status.PRUNED else EVAL))
+            events.append((r, PRUNED if r.status is Status.SCREENED else EVAL))
         elif event == "trial-duplicate":  # a plan already evaluated: counted, nothing evaluated
             events.append((data["result"], DUPLICATE))
 

@@ -34,24 +34,6 @@ def load_spec(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(fh)
 
 
-def model_spec(d: dict[str, Any]):
-    from autofit.specs import ModelSpec
-
-    d = dict(d)
-    d["hf_extra"] = tuple(sorted((d.get("hf_extra") or {}).items()))
-    return ModelSpec(**d)
-
-
-def workload(d: dict[str, Any]):
-    from autofit.specs import LengthDistribution, Workload
-
-    lengths = None
-    if d.get("lengths"):
-        hist = tuple((int(n), int(c)) for n, c in d["lengths"]["histogram"])
-        lengths = LengthDistribution(hist, d["lengths"].get("source", ""))
-    return Workload(seq_len=d["seq_len"], global_batch=d["global_batch"], lengths=lengths)
-
-
 # -- faults (tests only) ------------------------------------------------------------------------
 def injected_fault(plan_id: str, step: int) -> None:
     """Misbehave for real at ``step`` when ``AUTOFIT_TEST_TRIAL_FAULT`` asks for it (tests)."""
@@ -370,9 +352,10 @@ class Trial:
         """Set up, run the warm-up steps under the tracker and the timed steps without it."""
         from autofit.evaluators.memtrack import StorageTracker
         from autofit.plan import Plan
+        from autofit.specs import ModelSpec, Workload
 
         s = self.spec
-        spec, plan, wl = model_spec(s["model"]), Plan.from_dict(s["plan"]), workload(s["workload"])
+        spec, plan, wl = ModelSpec.from_dict(s["model"]), Plan.from_dict(s["plan"]), Workload.from_dict(s["workload"])
         dev = _torch_device(s["device"])
         budget = s.get("cpu_mem_budget") if dev.type != "cuda" else None
         self.tracker = StorageTracker(budget=budget, skip_meta=True)

@@ -122,7 +122,7 @@ th{background:#f6f6f6}td.wrap{white-space:normal;min-width:16rem}td.num,th.num{t
 font-variant-numeric:tabular-nums}
 tr.winner td{font-weight:600;background:#fffbe6}.swatch{display:inline-block;width:.9em;height:.9em;
 margin-right:.4em;vertical-align:-.1em;border:1px solid #0003}.status{font-weight:600}
-.status.fits{color:#007a5a}.status.oom{color:#B00020}.status.pruned{color:#8a6d00}.status.failed,
+.status.fits{color:#007a5a}.status.oom{color:#B00020}.status.screened{color:#8a6d00}.status.pruned{color:#8a6d00}.status.failed,
 .status.timeout{color:#8a3b77}figure{margin:1rem 0 2rem}figure img{max-width:100%;height:auto;
 border:1px solid #eee}figcaption{color:#555;font-size:.9rem}.note{padding:.5rem .8rem;background:#fff8e1;
 border-left:4px solid #E69F00}pre{background:#f6f8fa;padding:.8rem;overflow-x:auto;font-size:12px}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.results import COMPONENTS
+from autofit.results import COMPONENTS, fidelity
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -36,13 +36,14 @@ COMPONENT_COLORS = {
 STATUS_STYLE = {  # status -> (colour, marker)
     "fits": ("#009E73", "o"),
     "oom": ("#D55E00", "X"),
-    "pruned": ("#999999", "s"),
+    "screened": ("#999999", "s"),
+    "pruned": ("#56B4E9", "D"),
     "failed": ("#000000", "x"),
     "timeout": ("#CC79A7", "v"),
 }
 CAPACITY_COLOR = "#B00020"
 BUDGET_COLOR = "#6A3D9A"
-EVALUATOR_HATCH = {"analytic": "", "simulated": "..", "measured": "//"}  # one per evaluator of autofit.store.FIDELITY
+EVALUATOR_HATCH = {"analytic": "", "simulated": "..", "measured": "//"}  # one per evaluator of autofit.results.EVALUATORS
 
 PLOTS = {  # file stem -> what it shows
     "memory-anatomy": "Memory anatomy of the winner and the runners-up",
@@ -132,10 +133,9 @@ def _anatomy_bars(ax, gi: int, group: "AnatomyGroup") -> None:
 
 def _anatomy_legend(ax, groups: Sequence["AnatomyGroup"]) -> None:
     """The components, and, where plans were evaluated more than one way, the hatch of each evaluator."""
-    from autofit.store import FIDELITY  # lazily: the store pulls in SQLAlchemy
 
     handles, labels = ax.get_legend_handles_labels()
-    shown = sorted({r.evaluator for g in groups for r in g.results}, key=FIDELITY.__getitem__)
+    shown = sorted({r.evaluator for g in groups for r in g.results}, key=fidelity)
     if len(shown) > 1:  # say which bar is a prediction and which a measurement
         from matplotlib.patches import Patch
 

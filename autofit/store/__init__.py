@@ -5,11 +5,10 @@ package. Imports without torch.
 """
 
 from autofit.store.records import SchemaInfo, StudyRecord, StudyStatus, StudySummary, TrialRecord
-from autofit.store.store import ENV_VAR, FIDELITY, Store, default_path, request_key, resolve_url, software_versions
+from autofit.store.store import ENV_VAR, Store, default_path, request_key, resolve_url, software_versions
 
 __all__ = [
     "ENV_VAR",
-    "FIDELITY",
     "SchemaInfo",
     "Store",
     "StudyRecord",

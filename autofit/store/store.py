@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 ENV_VAR = "AUTOFIT_DB"
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
-# The evaluators' fidelity as a mapping; it lives in autofit.results (EVALUATORS, fidelity).
-# Kept for the readers that still import it from here (report/plots.py, tests/report/test_plots.py).
-FIDELITY = {name: fidelity(name) for name in EVALUATORS}
-
 # Packages whose versions decide what a study found (read from metadata, never imported).
 _VERSIONED = ("autofit", "torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes",
               "flash-attn", "optuna", "sqlalchemy", "alembic")

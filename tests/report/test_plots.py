@@ -44,12 +44,12 @@ def test_every_component_has_its_own_colour():
 
 def test_every_status_and_every_evaluator_has_its_own_style():
     from autofit.results import Status
-    from autofit.store import FIDELITY
+    from autofit.results import EVALUATORS
 
     assert tuple(plots.STATUS_STYLE) == tuple(s.value for s in Status)
     assert len(set(plots.STATUS_STYLE.values())) == len(Status)
-    assert tuple(plots.EVALUATOR_HATCH) == tuple(sorted(FIDELITY, key=FIDELITY.__getitem__))
-    assert len(set(plots.EVALUATOR_HATCH.values())) == len(FIDELITY)
+    assert tuple(plots.EVALUATOR_HATCH) == EVALUATORS
+    assert len(set(plots.EVALUATOR_HATCH.values())) == len(EVALUATORS)
 
 
 def test_anatomy_bars_stack_the_components_against_capacity_and_budget(tight_study):
