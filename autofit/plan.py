@@ -41,6 +41,10 @@ class LoraTargets(_Choice):
     ALL_LINEAR = "all-linear"  # every projection of every block (QLoRA paper default)
     ATTENTION = "attention"  # q, k, v, o only
 
+    def covers(self, part: str) -> bool:
+        """Whether LoRA adapts a Linear of this ``part`` (``ModelSpec.linears``: "attention" or "mlp")."""
+        return self is LoraTargets.ALL_LINEAR or part == "attention"
+
 
 class Precision(_Choice):
     FP32 = "32-true"

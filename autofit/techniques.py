@@ -1,9 +1,10 @@
 """How a plan's techniques are spelled in the libraries that run them. Imports without torch.
 
-The runtime (which builds and steps models for the simulated and measured evaluators)
-and the exporter (which writes the files a user launches) both read these, so the
-training autofit simulates and measures is the training the exported files ask for.
-Dtypes are torch attribute names (``"bfloat16"``); the runtime turns them into dtypes.
+The runtime (which builds and steps models for the simulated and measured evaluators),
+the cost models (which count the bytes) and the exporter (which writes the files a user
+launches) all read these, so the training autofit estimates, simulates and measures is
+the training the exported files ask for. Dtypes are torch attribute names
+(``"bfloat16"``); the runtime turns them into dtypes, the cost models into bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.plan import Attention, LoraTargets, Method, Plan, Precision
+from autofit.plan import Attention, Method, Plan, Precision
 from autofit.specs import ModelSpec
 
 # transformers' ``attn_implementation`` for each attention kernel
@@ -21,46 +22,109 @@ ATTN_IMPL = {Attention.EAGER: "eager", Attention.SDPA: "sdpa", Attention.FLASH2:
 NF4_QUANT_TYPE = "nf4"
 NF4_DOUBLE_QUANT = True
 
+# Liger's kernel switches (``liger_kernel_config``): only the loss is fused, because the
+# memory model assumes the model's own RoPE, norms and MLP. Which families Liger patches
+# at all is ``Family.liger``.
+LIGER_LOSS_ONLY = {
+    "fused_linear_cross_entropy": True,
+    "cross_entropy": False,
+    "rope": False,
+    "rms_norm": False,
+    "layer_norm": False,
+    "swiglu": False,
+    "geglu": False,
+}
 
+# bytes per element, and the short names GPU peak tables and kernel rules use
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHORT_NAME = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# -- precision ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DtypeLayout:
-    """Dtypes of one process's model: base weights as loaded, LoRA adapters, autocast (or None)."""
+    """Every dtype of a plan's training, the one rule all of autofit reads.
+
+    The first four say how one process builds and runs the module: ``base`` the weights
+    as loaded (the frozen base under LoRA/QLoRA, every weight in full fine-tuning; the
+    residual stream starts in it), ``adapter`` the LoRA adapters, ``autocast`` the
+    ``torch.autocast`` dtype (None: no autocast), ``compute`` what matmuls read and write,
+    ``half`` the plan's 16-bit dtype (QLoRA computes and stores its packed weights in it).
+
+    The last four say how the engine keeps the trainable state, which can differ from
+    the module: ``trainable`` the trainable parameters (FSDP2 keeps fp32 shards of a
+    module it gathers in 16-bit), ``grads`` their gradients, ``master`` DeepSpeed's fp32
+    copy beside 16-bit parameters (None: none), ``moments`` the optimizer's states.
+    """
 
     base: str
     adapter: str
     autocast: str | None
+    compute: str
+    half: str
+    trainable: str
+    grads: str
+    master: str | None
+    moments: str
 
+    @property
+    def autocasts(self) -> bool:
+        return self.autocast is not None
 
-def half_dtype_name(plan: Plan) -> str:
-    return "float16" if plan.precision is Precision.FP16_MIXED else "bfloat16"
+    @property
+    def base_bytes(self) -> int:
+        return DTYPE_BYTES[self.base]
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute]
 
 
 def dtype_layout(plan: Plan) -> DtypeLayout:
-    """How a plan is laid out in one process.
+    """The dtypes of ``plan``; see :class:`DtypeLayout`.
 
-    ``32-true``: fp32 everything. ``bf16-true``: bf16 everything. Mixed on plain torch:
-    full fine-tuning keeps fp32 weights under autocast; LoRA/QLoRA keep the frozen base in
-    16-bit and the adapters in fp32. Mixed under DeepSpeed or FSDP2: the module computes
-    in 16-bit parameters; the engines keep the fp32 master / sharded fp32 copies.
+    In the module: ``32-true`` is fp32 everything, ``bf16-true`` bf16 everything (moments
+    too). Mixed precision on plain torch keeps fp32 weights under autocast for full
+    fine-tuning, and for LoRA/QLoRA a 16-bit frozen base with fp32 adapters (PEFT's
+    ``autocast_adapter_dtype``), also under autocast. Under DeepSpeed or FSDP2 the module
+    computes on 16-bit parameters (DeepSpeed casts the module; FSDP2's
+    MixedPrecisionPolicy gathers in 16-bit) and the engine keeps the fp32 copies: the
+    master weights (DeepSpeed) or the sharded parameters themselves (FSDP2).
     """
-    if plan.precision is Precision.FP32:
-        return DtypeLayout("float32", "float32", None)
-    if plan.precision is Precision.BF16_TRUE:
-        return DtypeLayout("bfloat16", "bfloat16", None)
-    half = half_dtype_name(plan)
-    if plan.engine != "torch":
-        return DtypeLayout(half, half, None)
-    if plan.method is Method.FULL:
-        return DtypeLayout("float32", "float32", half)
-    return DtypeLayout(half, "float32", half)
+    fp32 = plan.precision is Precision.FP32
+    mixed = plan.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    half = "float16" if plan.precision is Precision.FP16_MIXED else "bfloat16"
+    if fp32:
+        base = adapter = "float32"
+    elif plan.precision is Precision.BF16_TRUE:
+        base = adapter = "bfloat16"
+    elif plan.engine != "torch":
+        base = adapter = half
+    else:
+        base, adapter = ("float32" if plan.method is Method.FULL else half), "float32"
+    autocast = half if mixed and plan.engine == "torch" else None
+    # trainable state: fp32 in full precision, and in mixed precision wherever the engine
+    # is not DeepSpeed (which keeps 16-bit parameters and a separate fp32 master copy)
+    trainable = "float32" if fp32 or (mixed and plan.engine != "deepspeed") else half
+    wide = trainable == "float32"
+    deepspeed = plan.engine == "deepspeed"
+    return DtypeLayout(
+        base=base,
+        adapter=adapter,
+        autocast=autocast,
+        compute=autocast or base,
+        half=half,
+        trainable=trainable,
+        grads=trainable,
+        master="float32" if deepspeed and not wide else None,
+        moments="float32" if deepspeed or wide else trainable,
+    )
 
 
+# -- LoRA --------------------------------------------------------------------------------
 def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
     """The Linear layers LoRA adapts, named as PEFT matches them (suffixes of module names)."""
-    return [
-        n for n, _, _, part in spec.linears()
-        if plan.lora_targets is LoraTargets.ALL_LINEAR or part == "attention"
-    ]
+    return [n for n, _, _, part in spec.linears() if plan.lora_targets.covers(part)]
 
 
 def lora_kwargs(spec: ModelSpec, plan: Plan) -> dict[str, Any]:
@@ -71,4 +135,22 @@ def lora_kwargs(spec: ModelSpec, plan: Plan) -> dict[str, Any]:
         "lora_dropout": 0.0,
         "target_modules": lora_target_names(spec, plan),
         "bias": "none",
+    }
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------
+def deepspeed_buckets(model: ModelSpec) -> dict[str, int]:
+    """Concrete bucket sizes (elements) autofit writes into ds_config.json and the memory model counts.
+
+    Follows the rules transformers' DeepSpeed integration applies to ``"auto"``:
+    reduce bucket = hidden², stage-3 prefetch = 0.9·hidden², persistence = 10·hidden.
+    """
+    h = model.hidden_size
+    return {
+        "reduce_bucket_size": h * h,
+        "allgather_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+        "stage3_max_live_parameters": 10**9,
+        "stage3_max_reuse_distance": 10**9,
     }

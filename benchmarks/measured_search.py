@@ -144,7 +144,7 @@ def run_autofit(ctx: Target, args, db: str) -> Side:
     from autofit.store import Store
 
     options = {"timeout_s": args.trial_timeout, "cpu_mem_budget": ctx.capacity_bytes, "env": ENV}
-    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods=args.methods), backend="measured",
+    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods=args.methods), evaluator="measured",
                             trials=args.trials, seed=args.seed, evaluator_options=options)
     rows: list[Row] = []
     t0 = time.perf_counter()

@@ -102,8 +102,8 @@ def main() -> None:
     from autofit.store import Store
 
     store = Store(args.db)
-    meas_study = store.create_study(ctx, backend="measured", budget={"benchmark": Path(__file__).name})
-    pred_study = store.create_study(ctx, backend=pname, budget={"benchmark": Path(__file__).name})
+    meas_study = store.create_study(ctx, evaluator="measured", budget={"benchmark": Path(__file__).name})
+    pred_study = store.create_study(ctx, evaluator=pname, budget={"benchmark": Path(__file__).name})
     lines = []
     t_all = time.perf_counter()
     for plan in plans(args.global_batch):

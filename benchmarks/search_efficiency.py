@@ -367,7 +367,7 @@ def autofit_run(oracle: Oracle, budget: int, seed: int, *, screen: bool = True, 
     """The real ``search.run_search``; trials in the order they finished (duplicates included)."""
     req = request or oracle.request
     backend = "analytic" if oracle.kind == "analytic" else "simulated"
-    sreq = search.SearchRequest(ctx=req.ctx(), allowed=req.allowed, backend=backend, trials=budget, seed=seed)
+    sreq = search.SearchRequest(ctx=req.ctx(), allowed=req.allowed, evaluator=backend, trials=budget, seed=seed)
     events: list[tuple[TrialResult, str]] = []
 
     def progress(event: str, data: dict[str, Any]) -> None:

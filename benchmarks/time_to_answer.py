@@ -88,7 +88,7 @@ def one_search(i: int, parallel: int = 1) -> dict:
     for t in trials:
         by_eval[t.evaluator] = by_eval.get(t.evaluator, 0.0) + t.duration_s
     out = {
-        "parallel": parallel, "wall_s": wall, "cpu_s": cpu, "backend": rec.backend, "trials": len(trials), "statuses": statuses,
+        "parallel": parallel, "wall_s": wall, "cpu_s": cpu, "backend": rec.evaluator, "trials": len(trials), "statuses": statuses,
         "eval_s": by_eval, "n_sim": sum(1 for t in trials if t.evaluator == "simulated"),
         "best": best.plan.summary() if best else None, "best_tps": best.tokens_per_sec if best else 0.0,
         "report": (work / "autofit-out" / "report.html").exists(),

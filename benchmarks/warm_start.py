@@ -60,7 +60,7 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int, prior: str = PRIORS[0]) 
     for warm in (True, False):
         with se.temp_store() as store:
             prior = search.run_search(
-                search.SearchRequest(ctx=prior_req.ctx(), allowed=prior_req.allowed, backend="analytic",
+                search.SearchRequest(ctx=prior_req.ctx(), allowed=prior_req.allowed, evaluator="analytic",
                                      trials=PRIOR_TRIALS, seed=1000 + seed), store, fresh=True)
             enq: list[int] = []
             if warm:

@@ -45,7 +45,7 @@ class Study:
 
 def search_request(model: str, gpus: str, *, trials: int, seq_len: int, global_batch: int) -> SearchRequest:
     ctx = build_context(model, gpus, seq_len=seq_len, global_batch=global_batch)
-    return SearchRequest(ctx=ctx, allowed=Allowed(), backend="analytic", trials=trials)
+    return SearchRequest(ctx=ctx, allowed=Allowed(), evaluator="analytic", trials=trials)
 
 
 def make_study(path: Path, request: SearchRequest, progress=None) -> Study:

@@ -61,3 +61,10 @@ def test_single_gpu_sharding_needs_offload():
 def test_gemma2_has_no_sdpa():
     with pytest.raises(PlanError, match="do not implement sdpa"):
         validate_plan(Plan(), MODELS["gemma-2-9b"], parse_cluster("1xA100"), Workload(seq_len=512, global_batch=1))
+
+
+def test_lora_targets_cover_their_parts():
+    from autofit.plan import LoraTargets
+
+    assert LoraTargets.ALL_LINEAR.covers("attention") and LoraTargets.ALL_LINEAR.covers("mlp")
+    assert LoraTargets.ATTENTION.covers("attention") and not LoraTargets.ATTENTION.covers("mlp")

@@ -93,10 +93,10 @@ def plan_options(fn: Callable) -> Callable:
 
 
 def measured_options(fn: Callable) -> Callable:
-    """How ``--backend measured`` runs its trials; ``--cpu-mem-budget`` also sets the CPU target's memory."""
+    """How ``--evaluator measured`` runs its trials; ``--cpu-mem-budget`` also sets the CPU target's memory."""
     decorators = [
         click.option("--cpu-mem-budget", default=None, metavar="SIZE",
-                     help="Memory of each CPU rank (--gpus Nxcpu), e.g. 600MiB: every backend judges by it, "
+                     help="Memory of each CPU rank (--gpus Nxcpu), e.g. 600MiB: every evaluator judges by it, "
                           "measured runs stop with OOM at the first allocation over it."),
         click.option("--steps", type=click.IntRange(min=1), default=None,
                      help="Measured: timed steps per trial [default: 3]."),

@@ -30,9 +30,9 @@ from autofit.errors import AutofitError, SpecError
 @click.option("--optimizers", default=None, help="Optimizers it may use (quality-affecting) [default: adamw].")
 @click.option("--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision].")
 @click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
-@click.option("--backend", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto",
+@click.option("--evaluator", "--backend", "evaluator", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto",
               show_default=True, help="auto: measure on matching local GPUs, else the most faithful estimator.")
-@click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by backend].")
+@click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by evaluator].")
 @click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option("--name", default=None, help="Name of the study (default: generated).")
@@ -58,7 +58,7 @@ from autofit.errors import AutofitError, SpecError
 @handle_errors
 def search(cctx: click.Context, **opts):
     """Search for the fastest training plan that fits, store every trial, export the winner."""
-    from autofit.evaluators import resolve_backend
+    from autofit.evaluators import resolve_evaluator
     from autofit.search.request import build_context
     from autofit.search.loop import DEFAULT_TRIALS, SearchRequest, run_search
     from autofit.search.space import Allowed
@@ -72,11 +72,11 @@ def search(cctx: click.Context, **opts):
                         lengths_path=opts["lengths_path"], headroom=opts["headroom"],
                         cpu_mem_budget=opts["cpu_mem_budget"])
     allowed = Allowed.parse(opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"])
-    backend = resolve_backend(opts["backend"], ctx)
-    request = SearchRequest(ctx=ctx, allowed=allowed, backend=backend,
-                            trials=opts["trials"] or DEFAULT_TRIALS[backend],
+    evaluator = resolve_evaluator(opts["evaluator"], ctx)
+    request = SearchRequest(ctx=ctx, allowed=allowed, evaluator=evaluator,
+                            trials=opts["trials"] or DEFAULT_TRIALS[evaluator],
                             timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"],
-                            evaluator_options=evaluator_options(opts) if backend == "measured" else {},
+                            evaluator_options=evaluator_options(opts) if evaluator == "measured" else {},
                             calibrate=opts["calibrate"])
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
@@ -162,7 +162,7 @@ def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
     from autofit.search.studies import load_study_file
 
     data = load_study_file(path)
-    rename = {"lengths": "lengths_path", "db": "db_url"}
+    rename = {"lengths": "lengths_path", "db": "db_url", "backend": "evaluator"}
     params = {p.name: p for p in cctx.command.params}
     for key, value in data.items():
         name = rename.get(key, key)

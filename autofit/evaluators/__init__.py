@@ -14,11 +14,11 @@ from autofit.specs import Target
 from autofit.evaluators.base import Evaluator
 from autofit.results import TrialResult
 
-BACKENDS = ("auto", "analytic", "simulated", "measured")
+EVALUATOR_CHOICES = ("auto", "analytic", "simulated", "measured")
 
 
 def get_evaluator(name: str, **options) -> Evaluator:
-    """The evaluator for a concrete backend name; ``options`` go to the measured evaluator
+    """The evaluator for a concrete evaluator name; ``options`` go to the measured evaluator
     (``warmup_steps``, ``timed_steps``, ``timeout_s``, ``cpu_mem_budget``, ``work_dir``, ``env``)."""
     if name == "analytic":
         from autofit.evaluators.analytic import AnalyticEvaluator
@@ -32,13 +32,13 @@ def get_evaluator(name: str, **options) -> Evaluator:
         from autofit.evaluators.measured import MeasuredEvaluator
 
         return MeasuredEvaluator(**options)
-    raise AutofitError(f"backend {name!r} is not available; use one of: analytic, simulated, measured")
+    raise AutofitError(f"evaluator {name!r} is not available; use one of: analytic, simulated, measured")
 
 
-def resolve_backend(name: str, ctx: Target) -> str:
+def resolve_evaluator(name: str, ctx: Target) -> str:
     """``auto``: the most faithful evaluator available for the target cluster."""
-    if name not in BACKENDS:
-        raise AutofitError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
+    if name not in EVALUATOR_CHOICES:
+        raise AutofitError(f"unknown evaluator {name!r}; use one of {', '.join(EVALUATOR_CHOICES)}")
     if name == "measured":
         from autofit.evaluators.measured import target_device
 
@@ -53,7 +53,7 @@ def _auto(ctx: Target) -> str:
     """Measure when this machine has the target GPUs (model and count, one node), else simulate.
 
     The local-CPU target (``1xcpu``) is never measured by ``auto``: it exists to plan and
-    test without a GPU, where a real run takes minutes; ``--backend measured`` asks for one.
+    test without a GPU, where a real run takes minutes; ``--evaluator measured`` asks for one.
     """
     if ctx.cluster.gpu.kind == "cuda" and ctx.cluster.nodes == 1:
         from autofit.evaluators.measured import local_gpus_match
@@ -63,7 +63,7 @@ def _auto(ctx: Target) -> str:
     return "simulated"
 
 
-def evaluate(plan, ctx: Target, backend: str = "auto", **options) -> TrialResult:
+def evaluate(plan, ctx: Target, evaluator: str = "auto", **options) -> TrialResult:
     """Validate ``plan`` for ``ctx`` (raising PlanError with every problem) and evaluate it.
 
     ``options`` configure the measured evaluator and are ignored by the estimators.
@@ -71,8 +71,8 @@ def evaluate(plan, ctx: Target, backend: str = "auto", **options) -> TrialResult
     from autofit.plan import validate_plan
 
     validate_plan(plan, ctx.model, ctx.cluster, ctx.workload)
-    name = resolve_backend(backend, ctx)
+    name = resolve_evaluator(evaluator, ctx)
     return get_evaluator(name, **(options if name == "measured" else {})).evaluate(plan, ctx)
 
 
-__all__ = ["BACKENDS", "Target", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_backend"]
+__all__ = ["EVALUATOR_CHOICES", "Target", "Evaluator", "TrialResult", "evaluate", "get_evaluator", "resolve_evaluator"]

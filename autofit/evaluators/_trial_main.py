@@ -106,9 +106,9 @@ def build(spec, plan, device: str, seed: int):
 def liger(spec, plan, device: str, model) -> bool:
     """Fuse the loss with Liger's kernel where the exported trainer_args ask for it and it runs
     (CUDA, liger-kernel installed, a family it patches): the Trainer's own call, on the base model."""
-    from autofit.export.trainer import LIGER_FAMILIES, LIGER_LOSS_ONLY
+    from autofit.techniques import LIGER_LOSS_ONLY
 
-    if not plan.fused_loss or device != "cuda" or spec.model_type not in LIGER_FAMILIES:
+    if not plan.fused_loss or device != "cuda" or not spec.family.liger:
         return False
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance

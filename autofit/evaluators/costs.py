@@ -1,10 +1,11 @@
 """Cost-model pieces shared by the analytic and simulated evaluators.
 
 Both evaluators need the same answers to questions a single traced rank cannot answer:
-what sharding does to model states and which buckets it adds, what the CUDA context,
-NCCL and the caching allocator add on top of the tensors, how long communication,
-offload transfers and the CPU optimizer take, and how efficient matmuls are at a given
-size. Keeping them here means the two fidelities differ only where they should: in how
+how many bytes the model states take in the plan's dtypes (``state_bytes``, from
+``techniques.dtype_layout``), what sharding does to them and which buckets it adds,
+what the CUDA context, NCCL and the caching allocator add on top of the tensors, how
+long communication, offload transfers and the CPU optimizer take, and how efficient
+matmuls are at a given size. Keeping them here means the two fidelities differ only where they should: in how
 they get the per-rank tensors and FLOPs (closed form vs. a traced step).
 
 The constants are defaults for hardware we cannot see from here; calibration from
@@ -13,11 +14,13 @@ measured runs (issue "Scale out") corrects them per GPU type.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
+from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
 from autofit.specs import ClusterSpec, ModelSpec
+from autofit.techniques import DTYPE_BYTES, SHORT_NAME, deepspeed_buckets, dtype_layout
 
 MiB = 2**20
 GiB = 2**30
@@ -75,12 +78,9 @@ def matmul_efficiency(tokens: float) -> float:
 
 
 def compute_dtype(plan: Plan) -> str:
-    return {
-        Precision.FP32: "fp32",
-        Precision.BF16_MIXED: "bf16",
-        Precision.BF16_TRUE: "bf16",
-        Precision.FP16_MIXED: "fp16",
-    }[plan.precision]
+    """The plan's compute dtype (``techniques.dtype_layout``) as GPU peak tables and the sdpa
+    rule name it: ``fp32``, ``bf16`` or ``fp16``."""
+    return SHORT_NAME[dtype_layout(plan).compute]
 
 
 def cuda_sdpa_kernel(capability: tuple[int, int], dtype: str, head_dim: int, masked: bool, gqa: bool,
@@ -135,21 +135,83 @@ class ShardedStates:
     grad_accum_present: float  # gradient bytes alive between micro-batches (grad_accum > 1)
 
 
-def deepspeed_buckets(model: ModelSpec) -> dict[str, int]:
-    """Concrete bucket sizes (elements) autofit writes into ds_config.json.
+# bitsandbytes NF4 with double quantization (the QLoRA default we export): 4-bit codes,
+# an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements,
+# and one fp32 absmax per block of this many elements for each 8-bit state.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
 
-    Follows the rules transformers' DeepSpeed integration applies to ``"auto"``:
-    reduce bucket = hidden², stage-3 prefetch = 0.9·hidden², persistence = 10·hidden.
+
+@functools.lru_cache(maxsize=4096)
+def state_bytes(model: ModelSpec, plan: Plan) -> StateBytes:
+    """Model states of one rank before sharding, in the dtypes of ``techniques.dtype_layout``.
+
+    Both evaluators count model states this way: the analytic one for everything, the
+    simulated one for the engine-held states a single traced process does not show.
     """
-    h = model.hidden_size
-    return {
-        "reduce_bucket_size": h * h,
-        "allgather_bucket_size": h * h,
-        "stage3_prefetch_bucket_size": int(0.9 * h * h),
-        "stage3_param_persistence_threshold": 10 * h,
-        "stage3_max_live_parameters": 10**9,
-        "stage3_max_reuse_distance": 10**9,
-    }
+    n = model.n_params
+    lay = dtype_layout(plan)
+    p_b = DTYPE_BYTES[lay.trainable]
+    if plan.is_peft:
+        n_t = model.lora_params(plan.lora_rank or 0, plan.lora_targets)
+        base_b = lay.base_bytes
+        if plan.method is Method.QLORA:
+            n_lin = model.linear_params()
+            weights = n_lin * NF4_BYTES_PER_PARAM + (n - n_lin) * base_b
+        else:
+            weights = n * base_b
+        weights += n_t * p_b
+        trainable_w = n_t * p_b
+    else:
+        n_t = n
+        weights = n * p_b
+        trainable_w = weights
+    grad_b = DTYPE_BYTES[lay.grads]
+    master = n_t * DTYPE_BYTES[lay.master] if lay.master else 0
+    states = _optimizer_state_bytes(model, plan, n_t, DTYPE_BYTES[lay.moments])
+    return StateBytes(
+        weights=weights,
+        gradients=n_t * grad_b,
+        master=master,
+        states=states,
+        trainable_weights=trainable_w,
+        grad_elem_bytes=grad_b,
+        param_elem_bytes=p_b,
+    )
+
+
+def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, moment_bytes: int) -> float:
+    opt = plan.optimizer
+    if opt is Optimizer.SGD:
+        return 0.0  # plain SGD (momentum 0) keeps no state
+    if opt is Optimizer.ADAMW:
+        return 2 * moment_bytes * n_trainable
+    if opt in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        # two 8-bit moments + an fp32 absmax each per 256-element block (bitsandbytes 0.45+);
+        # small tensors stay 32-bit
+        small = _small_trainable(model, plan)
+        return (2 + 8 / BNB_BLOCK) * (n_trainable - small) + 8 * small
+    # Adafactor: factored second moment, rows + cols per matrix, full for vectors
+    if plan.is_peft:
+        r = plan.lora_rank or 0
+        return moment_bytes * sum(
+            model.num_layers * 2 * (r + (i + o) / 2)  # A: r×in -> r+in, B: out×r -> out+r
+            for _, i, o, part in model.linears()
+            if plan.lora_targets.covers(part)
+        )
+    matrices = model.matrix_shapes()
+    in_matrices = sum(cnt * rows * cols for cnt, rows, cols in matrices)
+    factored = sum(cnt * (rows + cols) for cnt, rows, cols in matrices)
+    return moment_bytes * (factored + (n_trainable - in_matrices))
+
+
+def _small_trainable(model: ModelSpec, plan: Plan) -> int:
+    """Trainable elements in tensors smaller than bitsandbytes' 8-bit threshold (the vectors)."""
+    if plan.is_peft:
+        return 0
+    return model.n_params - sum(cnt * r * c for cnt, r, c in model.matrix_shapes())
 
 
 def shard_states(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, layer_weight_bytes: float,

@@ -113,7 +113,7 @@ def target_device(ctx: Target) -> str:
     local = local_gpus()
     if not local_gpus_match(cluster, local):
         have = f"{len(local)}x{local[0].name if local[0] else 'unknown GPU'}" if local else "no CUDA GPU"
-        raise AutofitError(f"--backend measured needs {cluster.label} on this machine; it has {have}")
+        raise AutofitError(f"--evaluator measured needs {cluster.label} on this machine; it has {have}")
     return "cuda"
 
 
@@ -142,9 +142,7 @@ def liger_runs(ctx: Target, device: str) -> bool:
     """Liger's fused loss will be used by the child (see ``_trial_main.liger``)."""
     import importlib.util
 
-    from autofit.export.trainer import LIGER_FAMILIES
-
-    return (device == "cuda" and ctx.model.model_type in LIGER_FAMILIES
+    return (device == "cuda" and ctx.model.family.liger
             and importlib.util.find_spec("liger_kernel") is not None)
 
 

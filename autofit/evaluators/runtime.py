@@ -6,14 +6,9 @@ real devices, and the tests on the CPU; all three go through :func:`build_model`
 simulated is what is measured. An optional :class:`StorageTracker` sees phases
 (forward, backward, optimizer) and the ``logits`` region (output head + loss).
 
-How a plan is laid out in one process (``layout``):
-- ``32-true``: fp32 everything. ``bf16-true``: bf16 everything (moments too).
-- mixed on plain torch: full fine-tuning keeps fp32 weights under ``torch.autocast``;
-  LoRA/QLoRA keep the frozen base in 16-bit and the adapters in fp32 (PEFT's
-  ``autocast_adapter_dtype``), also under autocast.
-- mixed under DeepSpeed or FSDP2: the module computes in 16-bit parameters (DeepSpeed
-  casts the module; FSDP2's MixedPrecisionPolicy gathers in 16-bit); the fp32 master /
-  sharded fp32 parameters are the engine's and are accounted by ``costs.shard_states``.
+How a plan is laid out in one process (``layout``) is ``techniques.dtype_layout``, the
+rule the cost models and the exporter read too; here its names become torch dtypes. The
+engine's fp32 master / sharded fp32 parameters are accounted by ``costs.shard_states``.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
     dtype_layout,
-    half_dtype_name,
     lora_kwargs,
     lora_target_names,
 )
@@ -57,13 +51,16 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", categ
 
 @dataclass(frozen=True)
 class Layout:
+    """The module's side of ``techniques.DtypeLayout``, as torch dtypes."""
+
     base_dtype: torch.dtype  # frozen base / all weights
     adapter_dtype: torch.dtype  # LoRA adapters
     autocast_dtype: torch.dtype | None
 
 
 def half_dtype(plan: Plan) -> torch.dtype:
-    return getattr(torch, half_dtype_name(plan))
+    """The plan's 16-bit dtype (QLoRA's compute and packed-storage dtype)."""
+    return getattr(torch, dtype_layout(plan).half)
 
 
 def layout(plan: Plan) -> Layout:

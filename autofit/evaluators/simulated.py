@@ -614,24 +614,22 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     """Per-rank components at the moment that peaks once states are sharded as the engine shards them.
 
     Weights, gradients and optimizer states are replaced by ``costs.shard_states`` of the
-    engine's state layout (``analytic.state_bytes``; the trace's own module states where
+    engine's state layout (``costs.state_bytes``; the trace's own module states where
     the module *is* the layout: plain torch), gradients alive at an event scale with the
     share the engine keeps, and the engine's buckets join ``temporary``.
     """
-    from autofit.evaluators import analytic
-
     model, cluster = ctx.model, ctx.cluster
     world = cluster.world_size
     sharded = plan.engine != "torch"
     if not sharded and world == 1:
         return RankMemory(dict(trace.peak_components), trace.peak_phase, -1)
 
-    sb = analytic.state_bytes(model, plan)
+    sb = costs.state_bytes(model, plan)
     L = model.num_layers
     c = 4 if costs.compute_dtype(plan) == "fp32" else 2
     layer_weights = model.layer_params() * c
     if plan.method.value == "qlora":
-        layer_weights += model.linear_params() / L * (analytic.NF4_BYTES_PER_PARAM - c)
+        layer_weights += model.linear_params() / L * (costs.NF4_BYTES_PER_PARAM - c)
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
     # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes
@@ -677,8 +675,6 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
 
 
 def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
-    from autofit.evaluators import analytic
-
     rm = rank_memory(trace, plan, ctx)
     comp = {k: rm.components.get(k, 0) for k in _TRACED}
     peak_allocated = sum(comp.values())
@@ -686,7 +682,7 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
     total = costs.device_total(peak_reserved, ctx.cluster.world_size)
     host = 0.0
     if plan.offload is not Offload.NONE:
-        sb = analytic.state_bytes(ctx.model, plan)
+        sb = costs.state_bytes(ctx.model, plan)
         st = costs.shard_states(plan, ctx.model, ctx.cluster, sb, 0.0, 0.0, 0.0)
         host = st.host
     host_bytes = (host + costs.HOST_PROCESS_BYTES) * ctx.cluster.gpus_per_node
@@ -701,8 +697,6 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
 
 def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
     """Roofline over the steady-state step's ops, plus communication and offload."""
-    from autofit.evaluators import analytic
-
     gpu, cluster, model = ctx.cluster.gpu, ctx.cluster, ctx.model
     n = trace.micro_batches
     tokens = trace.tokens
@@ -714,7 +708,7 @@ def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
         opt = 0.0  # the CPU steps the states (costs.comm_time's offload term)
     elif plan.engine != "torch":
         opt /= dp  # every rank steps its shard
-    sb = analytic.state_bytes(model, plan)
+    sb = costs.state_bytes(model, plan)
     comm = costs.comm_time(plan, model, cluster, sb, bwd)
     ga = plan.grad_accum
     step = ga * (fwd + bwd + comm.per_micro_batch) + opt + comm.per_step + comm.offload

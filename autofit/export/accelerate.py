@@ -16,18 +16,6 @@ from autofit.specs import Target
 from autofit.export.common import checked, write_files
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
 
-# The block FSDP wraps and checkpoints as one unit: each family's decoder layer class in
-# transformers (a test builds every family and finds num_layers instances of it).
-DECODER_LAYER = {
-    "llama": "LlamaDecoderLayer",
-    "mistral": "MistralDecoderLayer",
-    "qwen2": "Qwen2DecoderLayer",
-    "gemma2": "Gemma2DecoderLayer",
-    "phi3": "Phi3DecoderLayer",
-    "gpt2": "GPT2Block",
-    "bert": "BertLayer",
-}
-
 _MIXED_PRECISION = {
     Precision.BF16_MIXED: "bf16",
     Precision.FP16_MIXED: "fp16",
@@ -95,18 +83,13 @@ def accelerate_config(plan: Plan, ctx: Target, deepspeed_config_file: str | None
 def fsdp_config(plan: Plan, ctx: Target) -> dict[str, Any]:
     """FSDP2, full sharding per decoder layer, as the memory model assumes: parameters
     resharded after forward (two layers gathered at a time), optional CPU offload of
-    parameters, gradients and optimizer states, checkpointing of each layer."""
-    layer = DECODER_LAYER.get(ctx.model.model_type)
-    if layer is None:
-        raise ExportError(
-            f"no FSDP wrap class is known for model type {ctx.model.model_type!r}; "
-            f"known: {', '.join(sorted(DECODER_LAYER))}"
-        )
+    parameters, gradients and optimizer states, checkpointing of each layer (the family's
+    ``decoder_layer``: a test builds every family and finds num_layers instances of it)."""
     qlora = plan.method is Method.QLORA
     return {
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": layer,
+        "fsdp_transformer_layer_cls_to_wrap": ctx.model.family.decoder_layer,
         "fsdp_reshard_after_forward": True,
         "fsdp_offload_params": plan.offload is not Offload.NONE,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",

@@ -2,7 +2,7 @@
 
 No ``"auto"``: transformers would fill those in from whatever the training script passes,
 and the bucket sizes, batch sizes and precision are exactly what autofit's memory model
-assumed when it said the plan fits. The buckets come from ``costs.deepspeed_buckets``,
+assumed when it said the plan fits. The buckets come from ``techniques.deepspeed_buckets``,
 the same function the memory model reads.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 from autofit.errors import ExportError
 from autofit.specs import Target
-from autofit.evaluators.costs import deepspeed_buckets
 from autofit.export.common import checked, hyperparameters
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
 from autofit.specs import ModelSpec
+from autofit.techniques import deepspeed_buckets
 
 # ZeRO-Infinity needs a directory on a local NVMe drive of the training machine, which
 # autofit cannot know; the README of an export says to edit it (or pass nvme_path).

@@ -14,7 +14,14 @@ from typing import Any
 from autofit.specs import Target
 from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
 from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precision
-from autofit.techniques import ATTN_IMPL, NF4_DOUBLE_QUANT, NF4_QUANT_TYPE, dtype_layout, half_dtype_name, lora_kwargs
+from autofit.techniques import (
+    ATTN_IMPL,
+    LIGER_LOSS_ONLY,
+    NF4_DOUBLE_QUANT,
+    NF4_QUANT_TYPE,
+    dtype_layout,
+    lora_kwargs,
+)
 
 # TrainingArguments.optim for each optimizer (transformers' OptimizerNames values)
 OPTIM_NAME = {
@@ -24,21 +31,6 @@ OPTIM_NAME = {
     Optimizer.ADAFACTOR: "adafactor",
     Optimizer.SGD: "sgd",
 }
-
-# Families with a Liger fused linear-cross-entropy patch (liger_kernel.transformers)
-LIGER_FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "phi3")
-
-# Only the loss is fused: the memory model assumes the model's own RoPE, norms and MLP.
-LIGER_LOSS_ONLY = {
-    "fused_linear_cross_entropy": True,
-    "cross_entropy": False,
-    "rope": False,
-    "rms_norm": False,
-    "layer_norm": False,
-    "swiglu": False,
-    "geglu": False,
-}
-
 
 def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CONFIG_NAME) -> dict[str, Any]:
     """Everything the training script needs besides the launch config, JSON-serialisable."""
@@ -80,7 +72,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
                          + ("DeepSpeedCPUAdam on the offloaded states" if plan.offload is not Offload.NONE
                             else "torch AdamW") + "); optim is not used")
 
-    liger = plan.fused_loss and ctx.model.model_type in LIGER_FAMILIES
+    liger = plan.fused_loss and ctx.model.family.liger
     if liger:
         ta["use_liger_kernel"] = True
         ta["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
@@ -97,12 +89,9 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
     }
     if plan.is_peft:
         result["peft"] = lora_kwargs(ctx.model, plan)
-        # fp32 adapters where the memory model counts 4 bytes: full precision, or mixed
-        # precision outside DeepSpeed (which casts the whole module to 16-bit)
-        mixed = plan.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-        result["peft_model_kwargs"] = {
-            "autocast_adapter_dtype": plan.precision is Precision.FP32 or (mixed and plan.engine != "deepspeed")
-        }
+        # fp32 adapters where the memory model keeps the trainable state in fp32: full
+        # precision, or mixed precision outside DeepSpeed (which casts the whole module to 16-bit)
+        result["peft_model_kwargs"] = {"autocast_adapter_dtype": lay.trainable == "float32"}
     if plan.method is Method.QLORA:
         result["quantization"] = quantization_kwargs(plan)
         notes.append("load with quantization_config=BitsAndBytesConfig(**quantization) and skip "
@@ -118,7 +107,7 @@ def quantization_kwargs(plan: Plan) -> dict[str, Any]:
     FSDP and ZeRO-3 shard only floating-point tensors, so there the packed 4-bit weights
     are stored in the compute dtype (same bytes, different element type).
     """
-    half = half_dtype_name(plan)
+    half = dtype_layout(plan).half
     sharded = plan.engine == "fsdp" or plan.zero_stage == 3
     return {
         "load_in_4bit": True,

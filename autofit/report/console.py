@@ -231,7 +231,7 @@ class SearchProgress:
         grid.add_column(no_wrap=True, overflow="ellipsis")
         shown = min(self.done + (self.phase == "trial"), self.budget)  # the one being evaluated counts
         count = Text(f"trial {shown}/{self.budget}", style="bold")
-        count.append(f" · {_clock(self.elapsed)} elapsed · {self.request.backend}", style="")
+        count.append(f" · {_clock(self.elapsed)} elapsed · {self.request.evaluator}", style="")
         grid.add_row(ProgressBar(total=max(self.budget, 1), completed=shown, width=30), count)
         if self.current is not None and self.phase == "trial":
             number, plan = self.current
@@ -267,7 +267,7 @@ class SearchProgress:
             resumed = f", resuming after {data['done']} trials" if data["done"] else ""
             self._print(Text(f"study {self.study}: {ctx.model.name} on {ctx.cluster.label}, seq "
                              f"{ctx.workload.seq_len}, global batch {ctx.workload.global_batch} · "
-                             f"{self.request.backend}, budget {self.budget} trials{resumed}"))
+                             f"{self.request.evaluator}, budget {self.budget} trials{resumed}"))
         elif event == "warm-start":
             dropped = (f" ({data['dropped']} more predicted not to fit this workload)"
                        if data.get("dropped") else "")
@@ -279,7 +279,7 @@ class SearchProgress:
         elif event == "screened":
             self.phase = "searching"
             self._print(Text(f"  {data['n']:,} plans, {data['fits']:,} predicted to fit; evaluating the most "
-                             f"promising with {self.request.backend}"))
+                             f"promising with {self.request.evaluator}"))
         elif event == "trial-start":
             self.phase = "trial"
             self.current = (data["number"], data["plan"])
@@ -408,7 +408,7 @@ def print_answer(console: Console, standing, allowed_methods: Iterable[str], adv
 def print_outcome(console: Console, outcome, standing, request, exported: list, db_url: str) -> None:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(outcome.counts().items()))
     source = "answered from the store" if outcome.from_store else f"{outcome.elapsed_s:.1f} s"
-    console.print(f"\nstudy [bold]{outcome.study.name}[/bold] ({source}; {counts}) · {request.backend} · db {db_url}")
+    console.print(f"\nstudy [bold]{outcome.study.name}[/bold] ({source}; {counts}) · {request.evaluator} · db {db_url}")
     if outcome.interrupted:
         console.print("[yellow]interrupted[/yellow]: finished trials are stored; continue with --resume")
     elif outcome.exhausted:
@@ -422,12 +422,12 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
 # -- history -------------------------------------------------------------------------------
 def history_table(summaries) -> Table:
     table = Table(show_header=True, header_style="bold")
-    for col in ("id", "study", "model", "gpus", "seq", "batch", "backend", "status", "trials", "best plan", "tokens/s"):
+    for col in ("id", "study", "model", "gpus", "seq", "batch", "evaluator", "status", "trials", "best plan", "tokens/s"):
         table.add_column(col, justify="right" if col in ("id", "seq", "batch", "trials", "tokens/s") else "left")
     for s in summaries:
         st = s.study
         table.add_row(
-            str(st.id), st.name, st.model_name, st.cluster_label, str(st.seq_len), str(st.global_batch), st.backend,
+            str(st.id), st.name, st.model_name, st.cluster_label, str(st.seq_len), str(st.global_batch), st.evaluator,
             str(st.status), str(s.n_trials), s.best_plan.summary() if s.best_plan else "[dim]none fits[/dim]",
             f"{s.best_tokens_per_sec:,.0f}" if s.best_tokens_per_sec else "",
         )
@@ -436,7 +436,7 @@ def history_table(summaries) -> Table:
 
 def study_header(st) -> str:
     return (f"study [bold]{st.name}[/bold] (id {st.id}) · {st.model_name} on {st.cluster_label} · "
-            f"seq {st.seq_len} · global batch {st.global_batch} · {st.backend} · {st.status} · "
+            f"seq {st.seq_len} · global batch {st.global_batch} · {st.evaluator} · {st.status} · "
             f"created {st.created_at:%Y-%m-%d %H:%M}")
 
 

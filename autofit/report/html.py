@@ -178,7 +178,7 @@ def _header(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
         f"<h1>{_e(title)}</h1>",
         f'<p class="sub" id="study">{_e(ctx.model.name)} ({ctx.model.n_params / 1e9:.2f}B parameters) on '
         f"{_e(ctx.cluster.label)} ({_gib(ctx.capacity_bytes)} GiB per GPU, {ctx.headroom:.0%} headroom) · "
-        f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {_e(rec.backend)} · "
+        f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {_e(rec.evaluator)} · "
         f"study {_e(rec.status)} · {len(trials)} evaluations ({_e(counts)}) · created "
         f"{rec.created_at:%Y-%m-%d %H:%M} UTC</p>",
     ]

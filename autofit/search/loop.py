@@ -64,11 +64,11 @@ SCREEN_MARGIN = {"measured": 0.05}
 class SearchRequest:
     ctx: Target
     allowed: Allowed = field(default_factory=Allowed)
-    backend: str = "analytic"  # resolved: analytic | simulated | measured
+    evaluator: str = "analytic"  # resolved: analytic | simulated | measured
     trials: int = 40
     timeout_s: float | None = None
     seed: int = 0
-    # keyword options of the backend's evaluator (measured: steps, trial timeout, work dir)
+    # keyword options of the evaluator (measured: steps, trial timeout, work dir)
     evaluator_options: Mapping[str, Any] = field(default_factory=dict)
     calibrate: bool = True  # correct predictions by what was measured on this GPU type
 
@@ -77,12 +77,12 @@ class SearchRequest:
         """Identical requests share this key (the budget is not part of it)."""
         from autofit.store import request_key
 
-        return request_key(self.ctx, backend=self.backend, allowed=self.allowed.as_dict())
+        return request_key(self.ctx, evaluator=self.evaluator, allowed=self.allowed.as_dict())
 
     def space(self) -> SearchSpace:
         """The plans this request searches: for a measured study, only fused losses it can run."""
         single_rank = False
-        if self.backend == "measured":
+        if self.evaluator == "measured":
             from autofit.evaluators.measured import device_kind, liger_runs
 
             single_rank = not liger_runs(self.ctx, device_kind(self.ctx))
@@ -185,8 +185,8 @@ class _Objective:
             ev: (calibration.from_store(store, gpu, ev) if request.calibrate else None)
             for ev in ("analytic", "simulated")
         }
-        self.evaluator = (None if request.backend == "analytic"
-                          else get_evaluator(request.backend, **dict(request.evaluator_options)))
+        self.evaluator = (None if request.evaluator == "analytic"
+                          else get_evaluator(request.evaluator, **dict(request.evaluator_options)))
         self._by_prediction: list[tuple[dict[str, Any], str]] | None = None
 
     def __call__(self, trial) -> float:
@@ -218,7 +218,7 @@ class _Objective:
         predicted = self._calibrated(self.screen.evaluate(plan, ctx))
         if self.evaluator is None:
             result = predicted
-        elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.backend, 0.0)):
+        elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.evaluator, 0.0)):
             result = dataclasses.replace(predicted, status=Status.SCREENED,
                                          reason=f"predicted not to fit: {predicted.reason}")
         else:
@@ -266,7 +266,7 @@ def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
     """What is worth enqueuing: for a measured study, only plans the measured evaluator can
     run on the target (``measured.not_measurable``: e.g. a paged optimizer on the CPU target);
     such a plan would spend a trial of the budget on a ``failed`` result."""
-    if request.backend != "measured":
+    if request.evaluator != "measured":
         return scored
     from autofit.evaluators.measured import device_kind, not_measurable
 
@@ -323,9 +323,9 @@ def request_from_study(rec) -> SearchRequest:
     and the measured evaluator enforces the target's capacity, as in the process that created it."""
     b = rec.budget or {}
     options = dict(b.get("evaluator") or {})
-    return SearchRequest(ctx=rec.context(), allowed=Allowed.from_dict(rec.allowed), backend=rec.backend,
+    return SearchRequest(ctx=rec.context(), allowed=Allowed.from_dict(rec.allowed), evaluator=rec.evaluator,
                          trials=int(b.get("trials", 1)), timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)),
-                         evaluator_options=options if rec.backend == "measured" else {})
+                         evaluator_options=options if rec.evaluator == "measured" else {})
 
 
 def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
@@ -353,7 +353,7 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         study_rec = store.resume_study(study_rec.id)
     else:
         study_rec = store.create_study(
-            request.ctx, backend=request.backend, allowed=request.allowed.as_dict(), budget=request.budget,
+            request.ctx, evaluator=request.evaluator, allowed=request.allowed.as_dict(), budget=request.budget,
             name=study_name, optuna_study_name=f"autofit-{secrets.token_hex(8)}",
         )
     with interrupted_marks(store, study_rec):
@@ -390,7 +390,7 @@ def _open_study(request: SearchRequest, store, study_rec, space: SearchSpace, *,
         warm_params = warm_start(request, store, space, exclude=study_rec.id) if warm else []
         if warm_params:
             # a past winner the screen would prune under the new workload would only spend a trial
-            margin = SCREEN_MARGIN.get(request.backend, 0.0)
+            margin = SCREEN_MARGIN.get(request.evaluator, 0.0)
             runnable = [p for p, r in scored if _may_fit(r, request.ctx, margin)]
             kept = [p for p in warm_params if p in runnable]
             progress("warm-start", {"n": len(kept), "dropped": len(warm_params) - len(kept)})

@@ -105,7 +105,7 @@ class Allowed:
 class SearchSpace:
     ctx: Target
     allowed: Allowed = field(default_factory=Allowed)
-    # a fused loss only where one process runs the plain model: what the measured backend can
+    # a fused loss only where one process runs the plain model: what the measured evaluator can
     # run without Liger (the chunked loss calls the model body outside DDP/DeepSpeed/FSDP)
     fused_loss_single_rank_only: bool = False
 

@@ -36,7 +36,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "optimizers": (str, list),
     "precisions": (str, list),
     "lora_ranks": (str, int, list),
-    "backend": (str,),
+    "evaluator": (str,),
+    "backend": (str,),  # the earlier name of "evaluator", still read
     "trials": (int,),
     "timeout": (str, int, float),
     "seed": (int,),

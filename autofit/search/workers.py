@@ -29,7 +29,7 @@ def gpu_subsets(k: int, world_size: int, n_devices: int) -> list[str | None]:
 
 
 def _local_cuda_devices(request) -> int:
-    if request.backend != "measured" or request.ctx.cluster.gpu.kind != "cuda":
+    if request.evaluator != "measured" or request.ctx.cluster.gpu.kind != "cuda":
         return 0
     try:
         import torch

@@ -21,17 +21,22 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from autofit.errors import SpecError
 
 
 @dataclass(frozen=True)
 class Family:
-    """Block shape of one transformers ``model_type``."""
+    """Everything that differs between transformers ``model_type``s, as fields.
+
+    Every place that treats families differently reads a field here (LitGPT's habit: each
+    difference is part of the config), so a new family is one entry in ``FAMILIES``.
+    """
 
     model_type: str
     hf_config: str  # class name in transformers
+    decoder_layer: str  # transformers' block class: what FSDP wraps and checkpoints as one unit
     task: str  # "causal-lm" or "masked-lm" (decides the head and the loss)
     gated_mlp: bool  # SwiGLU/GeGLU: gate, up, down; else fc1, fc2
     norm: str  # "rmsnorm" or "layernorm"
@@ -43,12 +48,35 @@ class Family:
     positions: str  # "rope" or "learned"
     attn_impls: tuple[str, ...]  # attention kernels transformers implements for it
     dropout: bool  # default config trains with dropout > 0 (saves masks)
-    fused_qkv: bool = False  # one qkv projection (phi3, gpt2)
+    # one block's Linear layers as transformers names them (what PEFT and bitsandbytes
+    # match): the q/k/v projections (one name when fused), the attention output, the
+    # MLP's input projections (gate and up, fused or not; or a plain MLP's first), its output
+    attn_in: tuple[str, ...]
+    attn_out: str
+    mlp_in: tuple[str, ...]
+    mlp_out: str
+    # transformers' activation name: "silu", "gelu_pytorch_tanh", "gelu_new" (GPT-2's
+    # NewGELU, written in Python ops that each save a tensor), "gelu" (exact: saves its input)
+    activation: str
+    # where the norms sit: "pre" (before attention and MLP), "post" (BERT: after each
+    # residual add) or "sandwich" (Gemma-2: before and after both)
+    norm_position: str = "pre"
+    norm_scales_in_fp32: bool = False  # RMSNorm applies (1 + weight) in fp32 and saves that input (Gemma)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (gemma)
-    logit_softcap: bool = False  # tanh soft-capping of final logits (gemma2)
+    embed_norm: bool = False  # a LayerNorm on the embeddings (BERT)
+    token_types: int = 0  # token-type embeddings (BERT: 2)
+    logit_softcap: bool = False  # tanh soft-capping of attention scores and final logits (gemma2)
+    liger: bool = False  # Liger has a fused linear-cross-entropy patch for it (liger_kernel.transformers)
     # config field names where the family does not use the llama names
     keys: Mapping[str, str] = field(default_factory=dict)
     has_head_dim_key: bool = True  # config accepts an explicit head_dim
+    has_kv_heads_key: bool = True  # config has num_key_value_heads (grouped-query attention)
+    tied_by_default: bool = False  # the config class ties the embeddings when the file does not say
+
+    @property
+    def fused_qkv(self) -> bool:
+        """One qkv projection (phi3, gpt2)."""
+        return len(self.attn_in) == 1
 
 
 _LLAMA_LIKE = dict(
@@ -63,26 +91,39 @@ _LLAMA_LIKE = dict(
     positions="rope",
     attn_impls=("eager", "sdpa", "flash2"),
     dropout=False,
+    attn_in=("q_proj", "k_proj", "v_proj"),
+    attn_out="o_proj",
+    mlp_in=("gate_proj", "up_proj"),
+    mlp_out="down_proj",
+    activation="silu",
+    liger=True,
 )
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
-        Family("llama", "LlamaConfig", **_LLAMA_LIKE),
-        Family("mistral", "MistralConfig", **_LLAMA_LIKE),
-        Family("qwen2", "Qwen2Config", **{**_LLAMA_LIKE, "qkv_bias": True}, has_head_dim_key=False),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", **_LLAMA_LIKE),
+        Family("mistral", "MistralConfig", "MistralDecoderLayer", **_LLAMA_LIKE),
+        Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", **{**_LLAMA_LIKE, "qkv_bias": True},
+               has_head_dim_key=False),
         Family(
             "gemma2",
             "Gemma2Config",
+            "Gemma2DecoderLayer",
             # transformers implements no sdpa path for Gemma-2 (soft-capped attention)
-            **{**_LLAMA_LIKE, "norms_per_layer": 4, "attn_impls": ("eager", "flash2")},
+            **{**_LLAMA_LIKE, "norms_per_layer": 4, "attn_impls": ("eager", "flash2"),
+               "activation": "gelu_pytorch_tanh"},
+            norm_position="sandwich",
+            norm_scales_in_fp32=True,
             embed_scale=True,
             logit_softcap=True,
         ),
-        Family("phi3", "Phi3Config", **_LLAMA_LIKE, fused_qkv=True, has_head_dim_key=False),
+        Family("phi3", "Phi3Config", "Phi3DecoderLayer",
+               **{**_LLAMA_LIKE, "attn_in": ("qkv_proj",), "mlp_in": ("gate_up_proj",)}, has_head_dim_key=False),
         Family(
             "gpt2",
             "GPT2Config",
+            "GPT2Block",
             task="causal-lm",
             gated_mlp=False,
             norm="layernorm",
@@ -94,7 +135,11 @@ FAMILIES: dict[str, Family] = {
             positions="learned",
             attn_impls=("eager", "sdpa", "flash2"),
             dropout=True,
-            fused_qkv=True,
+            attn_in=("c_attn",),
+            attn_out="attn.c_proj",
+            mlp_in=("c_fc",),
+            mlp_out="mlp.c_proj",
+            activation="gelu_new",
             keys={
                 "hidden_size": "n_embd",
                 "num_hidden_layers": "n_layer",
@@ -103,10 +148,13 @@ FAMILIES: dict[str, Family] = {
                 "max_position_embeddings": "n_positions",
             },
             has_head_dim_key=False,
+            has_kv_heads_key=False,
+            tied_by_default=True,
         ),
         Family(
             "bert",
             "BertConfig",
+            "BertLayer",
             task="masked-lm",
             gated_mlp=False,
             norm="layernorm",
@@ -118,10 +166,26 @@ FAMILIES: dict[str, Family] = {
             positions="learned",
             attn_impls=("eager", "sdpa"),
             dropout=True,
+            attn_in=("query", "key", "value"),
+            attn_out="attention.output.dense",
+            mlp_in=("intermediate.dense",),
+            mlp_out="output.dense",
+            activation="gelu",
+            norm_position="post",
+            embed_norm=True,
+            token_types=2,
             has_head_dim_key=False,
+            has_kv_heads_key=False,
+            tied_by_default=True,
         ),
     ]
 }
+
+
+class _Targets(Protocol):
+    """What ``lora_params`` needs of ``plan.LoraTargets`` (specs sits below plan)."""
+
+    def covers(self, part: str) -> bool: ...
 
 
 # Upper bounds of the size fields, several times the largest published config of each
@@ -210,8 +274,7 @@ class ModelSpec:
         n = self.vocab_size * h
         if f.positions == "learned":
             n += self.max_position_embeddings * h
-        if f.model_type == "bert":
-            n += 2 * h + 2 * h  # token-type embeddings (2 types) + embedding LayerNorm
+        n += f.token_types * h + (2 * h if f.embed_norm else 0)  # BERT: token types + embedding LayerNorm
         return n
 
     def layer_params(self) -> int:
@@ -249,29 +312,29 @@ class ModelSpec:
         Linear, as PEFT and bitsandbytes see them.
         """
         f, h, i = self.family, self.hidden_size, self.intermediate_size
-        qkv = self.q_dim + 2 * self.kv_dim
-        if f.model_type == "gpt2":
-            return [("c_attn", h, qkv, "attention"), ("attn.c_proj", self.q_dim, h, "attention"),
-                    ("c_fc", h, i, "mlp"), ("mlp.c_proj", i, h, "mlp")]
-        if f.model_type == "bert":
-            return [("query", h, self.q_dim, "attention"), ("key", h, self.kv_dim, "attention"),
-                    ("value", h, self.kv_dim, "attention"), ("attention.output.dense", self.q_dim, h, "attention"),
-                    ("intermediate.dense", h, i, "mlp"), ("output.dense", i, h, "mlp")]
-        if f.fused_qkv:  # phi3
-            return [("qkv_proj", h, qkv, "attention"), ("o_proj", self.q_dim, h, "attention"),
-                    ("gate_up_proj", h, 2 * i, "mlp"), ("down_proj", i, h, "mlp")]
-        return [("q_proj", h, self.q_dim, "attention"), ("k_proj", h, self.kv_dim, "attention"),
-                ("v_proj", h, self.kv_dim, "attention"), ("o_proj", self.q_dim, h, "attention"),
-                ("gate_proj", h, i, "mlp"), ("up_proj", h, i, "mlp"), ("down_proj", i, h, "mlp")]
+        if f.fused_qkv:
+            qkv = [(f.attn_in[0], h, self.q_dim + 2 * self.kv_dim)]
+        else:
+            qkv = list(zip(f.attn_in, (h,) * 3, (self.q_dim, self.kv_dim, self.kv_dim)))
+        if len(f.mlp_in) == 1:
+            mlp_in = [(f.mlp_in[0], h, 2 * i if f.gated_mlp else i)]
+        else:
+            mlp_in = [(n, h, i) for n in f.mlp_in]
+        attention = qkv + [(f.attn_out, self.q_dim, h)]
+        mlp = mlp_in + [(f.mlp_out, i, h)]
+        return [(n, a, b, "attention") for n, a, b in attention] + [(n, a, b, "mlp") for n, a, b in mlp]
 
     def linear_params(self) -> int:
         """Weights of the blocks' Linear layers (what LoRA targets and 4-bit quantizes)."""
         return self.num_layers * sum(i * o for _, i, o, _ in self.linears())
 
-    def lora_params(self, rank: int, targets: str = "all-linear") -> int:
-        """Trainable parameters LoRA adds: ``rank × (in + out)`` per targeted Linear."""
+    def lora_params(self, rank: int, targets: _Targets | None = None) -> int:
+        """Trainable parameters LoRA adds: ``rank × (in + out)`` per targeted Linear.
+
+        ``targets``: a ``plan.LoraTargets`` (which says what it covers); None: every Linear.
+        """
         per_layer = sum(rank * (i + o) for _, i, o, part in self.linears()
-                        if targets == "all-linear" or part == "attention")
+                        if targets is None or targets.covers(part))
         return self.num_layers * per_layer
 
     def matrix_shapes(self) -> list[tuple[int, int, int]]:
@@ -329,7 +392,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if f.model_type not in ("gpt2", "bert"):
+        if f.has_kv_heads_key:
             kw["num_key_value_heads"] = self.num_kv_heads
         if f.has_head_dim_key:
             kw["head_dim"] = self.head_dim
@@ -343,8 +406,8 @@ class ModelSpec:
 
         cls = getattr(transformers, self.family.hf_config)
         cfg = cls(**self.hf_config_kwargs())
-        if self.family.model_type == "gpt2":
-            cfg.n_inner = self.intermediate_size
+        if "intermediate_size" in self.family.keys:  # GPT-2's n_inner: null would mean 4·hidden
+            setattr(cfg, self.family.keys["intermediate_size"], self.intermediate_size)
         for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(cfg, attr, None)
             if isinstance(value, int) and value >= self.vocab_size:  # a resized vocab (tiny variants)
@@ -361,57 +424,19 @@ class ModelSpec:
         """
         d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
         where = f"model config {source or name or 'given'!r}"
-        model_type = d.get("model_type")
-        if model_type is None:
-            raise SpecError(
-                f"{where} lacks 'model_type' (the transformers model type, e.g. \"llama\"); add it to the config"
-            )
-        if not isinstance(model_type, str):
-            raise SpecError(
-                f"{where}: 'model_type' must be a string such as \"llama\", got {_shown(model_type)} "
-                f"({_json_type(model_type)}); fix it in the config"
-            )
-        if model_type not in FAMILIES:
-            raise SpecError(
-                f"{where}: model type {model_type!r} is not supported "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
-        f = FAMILIES[model_type]
-
-        def key(k: str) -> str:
-            return f.keys.get(k, k)
-
+        f = _config_family(d, where)
         missing = [
-            key(k)
+            f.keys.get(k, k)
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-            if d.get(key(k)) is None
+            if d.get(f.keys.get(k, k)) is None
         ]
         if missing:
             raise SpecError(
-                f"config of {name or source or model_type!r} lacks the fields {', '.join(missing)}"
+                f"config of {name or source or f.model_type!r} lacks the fields {', '.join(missing)}"
             )
 
-        limits = {_HF_NAME.get(k, k): v for k, v in MAX_FIELD.items()}
-
         def size(k: str, default: int | None = None) -> int:
-            """A positive integer field; null (or absent) takes ``default`` where there is one."""
-            value = d.get(key(k))
-            if value is None and default is not None:
-                return default
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)  # 4096.0 is 4096
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    got = repr(value)
-                else:
-                    got = f"{_shown(value)} ({_json_type(value)})"
-                fix = ("write it without quotes in the config" if isinstance(value, str) and value.strip().isdigit()
-                       else "fix it in the config")
-                raise SpecError(f"{where}: {key(k)!r} must be a positive integer, got {got}; {fix}")
-            if value > limits[k]:
-                raise SpecError(f"{where}: {key(k)!r} is {value:,}, beyond the {limits[k]:,} any real model has; "
-                                "fix it in the config")
-            return value
+            return _config_size(d, f, where, k, default)
 
         h, heads = size("hidden_size"), size("num_attention_heads")
         layers, vocab = size("num_hidden_layers"), size("vocab_size")
@@ -419,35 +444,82 @@ class ModelSpec:
         kv_heads = size("num_key_value_heads", heads)
         if d.get("head_dim") is None and h < heads:
             raise SpecError(
-                f"{where}: {key('num_attention_heads')!r} ({heads}) exceeds {key('hidden_size')!r} ({h}); "
-                "fix it in the config or give head_dim"
+                f"{where}: {f.keys.get('num_attention_heads', 'num_attention_heads')!r} ({heads}) exceeds "
+                f"{f.keys.get('hidden_size', 'hidden_size')!r} ({h}); fix it in the config or give head_dim"
             )
-        head_dim = size("head_dim", h // heads)
-        max_pos = size("max_position_embeddings", 2048)
-        tie = d.get("tie_word_embeddings")
-        if tie is None:
-            tie = model_type in ("gpt2", "bert")
-        if not isinstance(tie, bool):
-            raise SpecError(
-                f"{where}: 'tie_word_embeddings' must be true or false, got {_shown(tie)} ({_json_type(tie)}); "
-                "fix it in the config"
-            )
-        extra: dict[str, Any] = {}
         return cls(
-            name=name or source or model_type,
-            model_type=model_type,
+            name=name or source or f.model_type,
+            model_type=f.model_type,
             hidden_size=h,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=head_dim,
+            head_dim=size("head_dim", h // heads),
             intermediate_size=inter,
             vocab_size=vocab,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=tie,
+            max_position_embeddings=size("max_position_embeddings", 2048),
+            tie_word_embeddings=_config_tie(d, f, where),
             source=source,
-            hf_extra=tuple(sorted(extra.items())),
         )
+
+
+# the size limits under transformers' field names
+_HF_MAX_FIELD = {_HF_NAME.get(k, k): v for k, v in MAX_FIELD.items()}
+
+
+def _config_family(d: Mapping[str, Any], where: str) -> Family:
+    """The family a config's ``model_type`` names, or a SpecError saying what to fix."""
+    model_type = d.get("model_type")
+    if model_type is None:
+        raise SpecError(
+            f"{where} lacks 'model_type' (the transformers model type, e.g. \"llama\"); add it to the config"
+        )
+    if not isinstance(model_type, str):
+        raise SpecError(
+            f"{where}: 'model_type' must be a string such as \"llama\", got {_shown(model_type)} "
+            f"({_json_type(model_type)}); fix it in the config"
+        )
+    if model_type not in FAMILIES:
+        raise SpecError(
+            f"{where}: model type {model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[model_type]
+
+
+def _config_size(d: Mapping[str, Any], f: Family, where: str, k: str, default: int | None = None) -> int:
+    """A positive integer field under its llama name ``k``; null (or absent) takes ``default`` where there is one."""
+    key = f.keys.get(k, k)
+    value = d.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 4096.0 is 4096
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            got = repr(value)
+        else:
+            got = f"{_shown(value)} ({_json_type(value)})"
+        fix = ("write it without quotes in the config" if isinstance(value, str) and value.strip().isdigit()
+               else "fix it in the config")
+        raise SpecError(f"{where}: {key!r} must be a positive integer, got {got}; {fix}")
+    if value > _HF_MAX_FIELD[k]:
+        raise SpecError(f"{where}: {key!r} is {value:,}, beyond the {_HF_MAX_FIELD[k]:,} any real model has; "
+                        "fix it in the config")
+    return value
+
+
+def _config_tie(d: Mapping[str, Any], f: Family, where: str) -> bool:
+    """``tie_word_embeddings``, or the config class's default when the file does not say."""
+    tie = d.get("tie_word_embeddings")
+    if tie is None:
+        tie = f.tied_by_default
+    if not isinstance(tie, bool):
+        raise SpecError(
+            f"{where}: 'tie_word_embeddings' must be true or false, got {_shown(tie)} ({_json_type(tie)}); "
+            "fix it in the config"
+        )
+    return tie
 
 
 def _json_type(value: Any) -> str:

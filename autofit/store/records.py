@@ -42,7 +42,7 @@ class StudyRecord:
     gpu_name: str
     workload: dict[str, Any]
     allowed: dict[str, list[str]]
-    backend: str
+    evaluator: str
     budget: dict[str, Any]
     headroom: float
     versions: dict[str, str]
@@ -80,7 +80,7 @@ class StudyRecord:
             "gpu_name": self.gpu_name,
             "workload": self.workload,
             "allowed": self.allowed,
-            "backend": self.backend,
+            "evaluator": self.evaluator,
             "budget": self.budget,
             "headroom": self.headroom,
             "versions": self.versions,

@@ -270,11 +270,11 @@ def _canonical_allowed(allowed: Mapping[str, Iterable[Any]] | None) -> dict[str,
     return {k: sorted({str(getattr(v, "value", v)) for v in values}) for k, values in sorted((allowed or {}).items())}
 
 
-def request_key(ctx: Target, *, backend: str, allowed: Mapping[str, Iterable[Any]] | None = None) -> str:
+def request_key(ctx: Target, *, evaluator: str, allowed: Mapping[str, Iterable[Any]] | None = None) -> str:
     """The identity of a search request: equal keys would find the same answer.
 
     Model fingerprint (not its name), cluster, workload (the length histogram, not the
-    file it came from), allowed choices (as sets), backend and headroom.
+    file it came from), allowed choices (as sets), evaluator and headroom.
     """
     workload = ctx.workload.as_dict()
     if workload.get("lengths"):
@@ -286,7 +286,7 @@ def request_key(ctx: Target, *, backend: str, allowed: Mapping[str, Iterable[Any
         "cluster": cluster,
         "workload": workload,
         "allowed": _canonical_allowed(allowed),
-        "backend": backend,
+        "backend": evaluator,  # the key's first name, kept so stored request keys still match
         "headroom": round(float(ctx.headroom), 9),
     }
     if cpu_memory is not None:  # the CPU target's memory is the request's budget (--cpu-mem-budget)
@@ -371,7 +371,7 @@ def _study_record(row: StudyModel) -> StudyRecord:
         gpu_name=row.gpu_name,
         workload=dict(row.workload),
         allowed={k: list(v) for k, v in (row.allowed or {}).items()},
-        backend=row.backend,
+        evaluator=row.evaluator,
         budget=dict(row.budget or {}),
         headroom=float(row.headroom),
         versions=dict(row.versions or {}),
@@ -712,20 +712,20 @@ class Store:
         self,
         ctx: Target,
         *,
-        backend: str,
+        evaluator: str,
         allowed: Mapping[str, Iterable[Any]] | None = None,
         budget: Mapping[str, Any] | None = None,
         name: str | None = None,
         optuna_study_name: str | None = None,
     ) -> StudyRecord:
-        """Record a new running study for the request ``ctx`` (+ backend and allowed choices).
+        """Record a new running study for the request ``ctx`` (+ evaluator and allowed choices).
 
-        ``backend`` should be the resolved one (``analytic``, not ``auto``), so that
+        ``evaluator`` should be the resolved one (``analytic``, not ``auto``), so that
         ``request_key`` matches what was really run.
         """
         if name is not None:
             name = check_study_name(name)
-        key = request_key(ctx, backend=backend, allowed=allowed)
+        key = request_key(ctx, evaluator=evaluator, allowed=allowed)
         with self.session_scope() as s:
             if name is None:
                 stem = f"{_slug(ctx.model.name)}-{_slug(ctx.cluster.label)}"
@@ -747,7 +747,7 @@ class Store:
                 seq_len=ctx.workload.seq_len,
                 global_batch=ctx.workload.global_batch,
                 allowed=_canonical_allowed(allowed),
-                backend=backend,
+                evaluator=evaluator,
                 budget=_json_safe(dict(budget or {})),
                 headroom=float(ctx.headroom),
                 versions=software_versions(),

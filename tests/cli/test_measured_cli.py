@@ -1,4 +1,4 @@
-"""``autofit search --backend measured`` end to end on this machine's CPU (issue 5's "done means").
+"""``autofit search --evaluator measured`` end to end on this machine's CPU (issue 5's "done means").
 
 A tiny local config.json, the local CPU as the target with a 36 MiB budget per rank, 8
 trials: the screen enqueues the predicted-best plans, measured runs stop at the first
@@ -31,7 +31,7 @@ def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "out"
     t0 = time.perf_counter()
     r = CliRunner().invoke(cli, [
-        "search", "--model", str(model), "--gpus", "1xcpu", "--backend", "measured", "--trials", "8",
+        "search", "--model", str(model), "--gpus", "1xcpu", "--evaluator", "measured", "--trials", "8",
         "--cpu-mem-budget", "36MiB", "--headroom", "0", "--seq-len", "256", "--global-batch", "8",
         "--db", db, "--out", str(out), "--work-dir", str(tmp_path / "trials"), "--json",
     ])
@@ -42,7 +42,7 @@ def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
         study = store.get_study(data["study"])
         rows = [store.trial_result(t) for t in store.trials(study.id)]
     print(f"wall {wall:.1f} s; " + "; ".join(f"{x.status.value}: {x.plan.summary()}" for x in rows))
-    assert study.backend == "measured" and study.status.value == "finished"
+    assert study.evaluator == "measured" and study.status.value == "finished"
     assert sum(data["counts"].values()) == len(rows) >= 6  # the sampler may propose a plan twice
 
     measured = [x for x in rows if x.evaluator == "measured"]

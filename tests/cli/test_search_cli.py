@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from autofit.cli import cli
 
-ARGS = ["--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--backend", "analytic",
+ARGS = ["--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
         "--trials", "6"]
 
 
@@ -167,7 +167,7 @@ def test_export_show_history_and_best_pick_the_same_trial(db_url, tmp_path):
     ctx = gpt2_ctx()
     fast, slow, _, _ = gpt2_results(ctx)
     with Store(db_url) as store:
-        rec = store.create_study(ctx, backend="measured", name="superseded")
+        rec = store.create_study(ctx, evaluator="measured", name="superseded")
         store.record_trial(rec.id, fast)  # #0: predicted fastest
         store.record_trial(rec.id, slow)  # #1
         store.record_trial(rec.id, dataclasses.replace(fast, evaluator="measured", status=Status.OOM,
@@ -185,3 +185,15 @@ def test_export_show_history_and_best_pick_the_same_trial(db_url, tmp_path):
     assert json.loads(run("history", "--db", db_url, "--json").stdout)[0]["best"]["number"] == 1
     best = json.loads(run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, "--json").stdout)
     assert best["trial"] == 1
+
+
+def test_backend_is_still_read_as_the_earlier_name_of_evaluator(tmp_path):
+    """``--backend`` (the option's first name) and a study file's ``backend:`` key still work."""
+    db = f"sqlite:///{tmp_path / 'alias.db'}"
+    args = [a if a != "--evaluator" else "--backend" for a in ARGS]
+    first = json.loads(run("search", *args, "--db", db, "--out", "", "--json").stdout)
+    assert first["best"]["evaluator"] == "analytic"
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text("model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nevaluator: simulated\ntrials: 6\n")
+    r = run("search", "--config", cfg, "--evaluator", "analytic", "--db", db, "--out", "", "--json")
+    assert json.loads(r.stdout)["from_store"]  # the command line's evaluator overrode the file's: the same request

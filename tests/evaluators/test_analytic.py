@@ -3,7 +3,8 @@
 import pytest
 
 from autofit.evaluators import costs
-from autofit.evaluators.analytic import AnalyticEvaluator, estimate, logits_bytes, state_bytes
+from autofit.evaluators.analytic import AnalyticEvaluator, estimate, logits_bytes
+from autofit.evaluators.costs import state_bytes
 from autofit.specs import Target
 from autofit.plan import Plan
 from autofit.specs import MODELS, Workload, parse_cluster

@@ -40,9 +40,9 @@ def gpu_ctx() -> Target:
 
 
 def test_auto_measures_on_the_local_gpu():
-    from autofit.evaluators import resolve_backend
+    from autofit.evaluators import resolve_evaluator
 
-    assert resolve_backend("auto", gpu_ctx()) == "measured"
+    assert resolve_evaluator("auto", gpu_ctx()) == "measured"
 
 
 @pytest.mark.parametrize("name", list(PLANS))

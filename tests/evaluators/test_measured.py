@@ -12,7 +12,7 @@ import os
 import pytest
 
 from autofit.errors import AutofitError
-from autofit.evaluators import get_evaluator, resolve_backend
+from autofit.evaluators import get_evaluator, resolve_evaluator
 from autofit.evaluators.analytic import estimate
 from autofit.specs import Target
 from autofit.results import Status
@@ -61,18 +61,18 @@ def test_local_gpu_names_map_to_the_catalog(device, memory_gib, expected):
 
 def test_backends_measured_and_auto():
     cpu = cpu_ctx()
-    assert resolve_backend("measured", cpu) == "measured"
+    assert resolve_evaluator("measured", cpu) == "measured"
     # the CPU target is measured only when asked: auto plans with the simulator
-    assert resolve_backend("auto", cpu) == "simulated"
+    assert resolve_evaluator("auto", cpu) == "simulated"
     from autofit.evaluators.measured import local_gpus
     from autofit.specs import GPUS
 
     here = {g.name for g in local_gpus() if g is not None}
     absent = next(name for name in GPUS if name not in here)
     gpu = Target(tiny("mistral-7b"), parse_cluster(f"1x{absent}"), Workload(seq_len=128, global_batch=4))
-    assert resolve_backend("auto", gpu) == "simulated"  # this machine has no such GPU
+    assert resolve_evaluator("auto", gpu) == "simulated"  # this machine has no such GPU
     with pytest.raises(AutofitError, match=f"needs 1x{absent} on this machine"):
-        resolve_backend("measured", gpu)
+        resolve_evaluator("measured", gpu)
     assert isinstance(get_evaluator("measured", timed_steps=1), MeasuredEvaluator)
 
 
@@ -81,7 +81,7 @@ def test_cpu_budget_sets_the_target_and_the_request_key():
 
     a, b = cpu_ctx(budget="64MiB"), cpu_ctx(budget="128MiB")
     assert a.capacity_bytes == 64 * MiB and a.cluster.gpu.kind == "cpu"
-    assert request_key(a, backend="measured") != request_key(b, backend="measured")
+    assert request_key(a, evaluator="measured") != request_key(b, evaluator="measured")
     with pytest.raises(AutofitError, match="--cpu-mem-budget applies to the local CPU target"):
         with_cpu_budget(parse_cluster("1xA10"), "64MiB")
 
@@ -240,7 +240,7 @@ def test_measured_peaks_beside_the_analytic_prediction(single_runs):
 
 def test_measured_results_are_stored_with_device_and_budget(single_runs, store):
     runs = single_runs
-    study = store.create_study(cpu_ctx(), backend="measured")
+    study = store.create_study(cpu_ctx(), evaluator="measured")
     for r, _, _ in runs.values():
         store.record_trial(study.id, r)
     back = [store.trial_result(t) for t in store.trials(study.id)]
@@ -284,10 +284,10 @@ def test_the_pruner_stops_a_running_trial_through_the_search_objective(tmp_path)
     from autofit.store import Store
 
     ctx = cpu_ctx()
-    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), backend="measured", trials=1,
+    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), evaluator="measured", trials=1,
                             evaluator_options={"timeout_s": 300, "env": ENV, "timed_steps": 3})
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
-        rec = store.create_study(ctx, backend="measured")
+        rec = store.create_study(ctx, evaluator="measured")
         objective = _Objective(request, SearchSpace(ctx, request.allowed), store, rec.id, None)
         # no throughput reaches 1e12 tokens/s: the threshold pruner stops the trial at its first report
         study = optuna.create_study(direction="maximize", pruner=optuna.pruners.ThresholdPruner(lower=1e12))

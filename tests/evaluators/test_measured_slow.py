@@ -146,7 +146,7 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
     # the enforced budget (the evaluator's) sits below what the third plan needs
     budget = int(0.8 * estimate(first[2], ctx).memory.peak_allocated)
     faults = f"crash@0:{first[0].plan_id};hang@1:{first[1].plan_id}"
-    request = SearchRequest(ctx=ctx, allowed=allowed, backend="measured", trials=6, evaluator_options={
+    request = SearchRequest(ctx=ctx, allowed=allowed, evaluator="measured", trials=6, evaluator_options={
         "timeout_s": 15, "cpu_mem_budget": budget, "env": {**ENV, "AUTOFIT_TEST_TRIAL_FAULT": faults}})
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
         out = run_search(request, store)

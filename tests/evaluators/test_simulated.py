@@ -18,7 +18,8 @@ import pytest
 
 from autofit.evaluators import costs
 from autofit.evaluators import runtime as rt
-from autofit.evaluators.analytic import estimate, state_bytes
+from autofit.evaluators.analytic import estimate
+from autofit.evaluators.costs import state_bytes
 from autofit.specs import Target
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.evaluators.simulated import (
@@ -331,7 +332,7 @@ def test_cli_json_has_the_analytic_schema():
             "--micro-batch", "2", "--json"]
     outs = {}
     for backend in ("analytic", "simulated"):
-        r = CliRunner().invoke(cli, [*args, "--backend", backend], catch_exceptions=False)
+        r = CliRunner().invoke(cli, [*args, "--evaluator", backend], catch_exceptions=False)
         assert r.exit_code == 0, r.output
         outs[backend] = json.loads(r.stdout)
     sim, ana = outs["simulated"], outs["analytic"]
@@ -344,10 +345,10 @@ def test_cli_json_has_the_analytic_schema():
 
 
 def test_auto_backend_is_simulated_without_local_gpus():
-    from autofit.evaluators import resolve_backend
+    from autofit.evaluators import resolve_evaluator
 
     ctx = Target(tiny("gpt2"), parse_cluster("2xA10"), Workload(seq_len=64, global_batch=2))
-    assert resolve_backend("auto", ctx) == "simulated"
+    assert resolve_evaluator("auto", ctx) == "simulated"
 
 
 # -- the analytic evaluator against the simulated one, where no real run is possible here --
@@ -428,7 +429,7 @@ def test_simulated_estimate_and_search_print_no_library_warnings(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS")}
-    common = ["-m", "gpt2", "-g", "1xT4", "--backend", "simulated", "--seq-len", "128", "--global-batch", "4"]
+    common = ["-m", "gpt2", "-g", "1xT4", "--evaluator", "simulated", "--seq-len", "128", "--global-batch", "4"]
     est = subprocess.run([sys.executable, "-m", "autofit", "estimate", *common, "--method", "lora", "--db",
                           str(tmp_path / "e.db")], env=env, capture_output=True, text=True, timeout=600)
     assert est.returncode == 0, est.stderr[-2000:]

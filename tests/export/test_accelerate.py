@@ -14,7 +14,6 @@ import pytest
 
 from autofit.errors import ExportError
 from autofit.export import accelerate_config, deepspeed_config, write_accelerate_yaml
-from autofit.export.accelerate import DECODER_LAYER
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
 from autofit.specs import FAMILIES, MODELS
 from tests.export.plans import TARGETS, sweep, target
@@ -67,7 +66,7 @@ def check(plan, ctx, launch, launched_env) -> None:
 
         plugin = FullyShardedDataParallelPlugin()
         assert plugin.fsdp_version == 2
-        assert plugin.transformer_cls_names_to_wrap == [DECODER_LAYER[ctx.model.model_type]]
+        assert plugin.transformer_cls_names_to_wrap == [ctx.model.family.decoder_layer]
         assert plugin.reshard_after_forward is True
         assert type(plugin.cpu_offload).__name__ == (
             "CPUOffloadPolicy" if plan.offload is not Offload.NONE else "OffloadPolicy")
@@ -158,5 +157,5 @@ def test_fsdp_wraps_each_familys_decoder_layer(model_type):
     with torch.device("meta"):
         model = cls.from_config(spec.to_hf_config()) if cls.__name__.startswith("Auto") else cls(spec.to_hf_config())
     names = [type(m).__name__ for m in model.modules()]
-    assert names.count(DECODER_LAYER[model_type]) == 2
-    assert DECODER_LAYER[model_type] in model._no_split_modules
+    assert names.count(FAMILIES[model_type].decoder_layer) == 2
+    assert FAMILIES[model_type].decoder_layer in model._no_split_modules

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autofit.errors import ExportError
-from autofit.evaluators.costs import deepspeed_buckets
+from autofit.techniques import deepspeed_buckets
 from autofit.export import deepspeed_config
 from autofit.export.deepspeed import NVME_PATH, nvme_param_buffer
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision

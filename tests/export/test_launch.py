@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from autofit.specs import Target
-from autofit.evaluators.costs import deepspeed_buckets
+from autofit.techniques import deepspeed_buckets
 from autofit.export import export_plan
 from autofit.plan import Plan
 from autofit.specs import Workload, parse_cluster

@@ -9,8 +9,8 @@ import pytest
 
 from autofit.evaluators import runtime
 from autofit.export import deepspeed_config, trainer_args
-from autofit.export.trainer import LIGER_FAMILIES
 from autofit.plan import Checkpointing, Method, Optimizer, Plan, Precision
+from autofit.techniques import dtype_layout
 from tests.export.conftest import training_arguments_at
 from tests.export.plans import TARGETS, sweep, target
 
@@ -70,6 +70,9 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     if plan.is_peft:
         exported = LoraConfig(**args["peft"]).to_dict()
         assert exported == runtime.lora_config(ctx.model, plan).to_dict()
+        # PEFT makes the adapters in the dtype the memory model counts for the trainable state
+        fp32_adapters = dtype_layout(plan).trainable == "float32"
+        assert args["peft_model_kwargs"] == {"autocast_adapter_dtype": fp32_adapters}
     else:
         assert args["peft"] is None and args["peft_model_kwargs"] is None
     if plan.method is Method.QLORA:
@@ -81,7 +84,7 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     else:
         assert args["quantization"] is None
 
-    liger = plan.fused_loss and ctx.model.model_type in LIGER_FAMILIES
+    liger = plan.fused_loss and ctx.model.family.liger
     assert targs.use_liger_kernel is liger
     assert args["fused_loss"]["enabled"] is plan.fused_loss
 

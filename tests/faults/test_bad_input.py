@@ -92,10 +92,10 @@ CASES = [
     ("two counts", EST + ["-m", "gpt2", "-g", "2xA10x3"], "malformed"),
     ("seq len 0", EST + ["-m", "gpt2", "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
     ("batch not divisible", ["estimate", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8"], "not divisible"),
-    ("search batch not divisible", ["search", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8", "--backend",
+    ("search batch not divisible", ["search", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8", "--evaluator",
                                     "analytic"], "multiple of the 3 GPUs"),
     ("contradictory choices", ["search", "-m", "gpt2", "-g", "1xA10", "--methods", "qlora", "--precisions", "32-true",
-                               "--backend", "analytic"], "qlora computes in 16-bit"),
+                               "--evaluator", "analytic"], "qlora computes in 16-bit"),
     ("unknown method", ["search", "-m", "gpt2", "-g", "1xA10", "--methods", "full,dora"], "--methods"),
     ("study file unknown key", ["search", "--config", "{d}/unknown.yaml"], "unknown key 'colour'"),
     ("study file wrong type", ["search", "--config", "{d}/types.yaml"], "'trials' must be int"),
@@ -105,15 +105,15 @@ CASES = [
     ("db from a newer autofit", ["history", "--db", "{d}/newer.db"], "newer"),
     ("unknown study in show", ["show", "nope", "--db", "{d}/ok.db"], "no study named 'nope'"),
     ("unknown study in export", ["export", "nope", "--out", "{d}/o", "--db", "{d}/ok.db"], "no study named 'nope'"),
-    ("bad duration", ["search", "-m", "gpt2", "-g", "1xA10", "--timeout", "soon", "--backend", "analytic"],
+    ("bad duration", ["search", "-m", "gpt2", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
      "cannot read duration"),
     ("bad host memory", EST + ["-m", "gpt2", "-g", "1xA10", "--host-mem", "lots"], "cannot read size"),
-    ("fresh and resume", ["search", "-m", "gpt2", "-g", "1xA10", "--backend", "analytic", "--fresh", "--resume",
+    ("fresh and resume", ["search", "-m", "gpt2", "-g", "1xA10", "--evaluator", "analytic", "--fresh", "--resume",
                           "--db", "{d}/ok.db"], "give only one"),
 ]
 
 # model configs, study files, options (specs/, studies.py, cli/options.py)
-SPEC_SEARCH = ["search", "--backend", "analytic", "--trials", "2", "--global-batch", "8", "--out", "",
+SPEC_SEARCH = ["search", "--evaluator", "analytic", "--trials", "2", "--global-batch", "8", "--out", "",
                "--db", "{d}/s.db"]
 SPEC_CASES = [
     ("config size as a string", EST + ["-m", "{d}/cfg-str/config.json", "-g", "1xA10"],
@@ -184,8 +184,8 @@ SPEC_CASES = [
 ]
 
 # databases, study names, work dirs (store/, cli/)
-SEARCH = ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--backend", "analytic", "--out", ""]
-MEASURED = ["search", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--backend", "measured", "--trials", "2", "--seq-len",
+SEARCH = ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--evaluator", "analytic", "--out", ""]
+MEASURED = ["search", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--evaluator", "measured", "--trials", "2", "--seq-len",
             "64", "--global-batch", "2", "--out", "", "--db", "{d}/wd.db"]
 STORE_CASES = [
     ("db port not a number", ["history", "--db", "postgresql://postgres@127.0.0.1:notaport/x"],
@@ -204,7 +204,7 @@ STORE_CASES = [
     ("study name too long", SEARCH + ["--name", "n" * 101, "--db", "{d}/names.db"], "1-100 letters"),
     ("work dir under a file", MEASURED + ["--work-dir", "{d}/blocker/sub"],
      "cannot create work directory {d}/blocker/sub: {d}/blocker is a file"),
-    ("work dir under a file in estimate", ["estimate", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--backend", "measured",
+    ("work dir under a file in estimate", ["estimate", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--evaluator", "measured",
                                            "--seq-len", "64", "--global-batch", "1", "--work-dir", "{d}/blocker/a/b"],
      "{d}/blocker is a file"),
 ]
@@ -225,7 +225,7 @@ def test_bad_input(files, name, args, fragment):
 
 def test_unknown_trial_in_export(tmp_path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    r = CliRunner().invoke(cli, ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--backend", "analytic",
+    r = CliRunner().invoke(cli, ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--evaluator", "analytic",
                                  "--trials", "3", "--db", db, "--out", "", "--json"])
     study = json.loads(r.stdout)["study"]
     r = CliRunner().invoke(cli, ["export", study, "--trial", "99", "--out", str(tmp_path / "o"), "--db", db])

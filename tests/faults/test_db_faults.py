@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from autofit.cli import cli
 from autofit.store import Store
 
-ARGS = ["search", "-m", "gpt2", "-g", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--backend", "analytic",
+ARGS = ["search", "-m", "gpt2", "-g", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
         "--trials", "5", "--out", "", "--json"]
 
 
@@ -96,7 +96,7 @@ def test_a_bad_work_dir_is_refused_before_a_study_exists(tmp_path):
     (tmp_path / "afile").write_text("x")
     db = f"sqlite:///{tmp_path / 'w.db'}"
     Store(db).close()
-    r = CliRunner().invoke(cli, ["search", "-m", str(tmp_path / "tiny"), "-g", "1xcpu", "--backend", "measured",
+    r = CliRunner().invoke(cli, ["search", "-m", str(tmp_path / "tiny"), "-g", "1xcpu", "--evaluator", "measured",
                                  "--trials", "2", "--seq-len", "64", "--global-batch", "2", "--out", "",
                                  "--work-dir", str(tmp_path / "afile" / "sub"), "--db", db])
     assert r.exit_code != 0 and "Traceback" not in r.output

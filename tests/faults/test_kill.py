@@ -28,7 +28,7 @@ def model_dir(tmp_path):
 
 
 def search_cmd(model_dir, trials, *extra):
-    return [sys.executable, "-m", "autofit", "search", "--model", model_dir, "--gpus", "1xcpu", "--backend",
+    return [sys.executable, "-m", "autofit", "search", "--model", model_dir, "--gpus", "1xcpu", "--evaluator",
             "measured", "--trials", str(trials), "--cpu-mem-budget", "2GiB", "--seq-len", "128", "--global-batch", "4",
             "--steps", "2", "--warmup-steps", "1", "--methods", "full,lora", "--out", "", "--json", *extra]
 

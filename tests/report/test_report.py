@@ -138,7 +138,7 @@ def test_duplicates_and_the_start_are_reported(tmp_path):
 
     events = []
     ctx = search_request("gpt2", "1xA10", trials=8, seq_len=1024, global_batch=1).ctx  # a small space: 60 plans
-    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), backend="analytic", trials=8)
+    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), evaluator="analytic", trials=8)
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
         out = run_search(req, store, progress=lambda e, d: events.append((e, d)))
         rows = store.trials(out.study.id)

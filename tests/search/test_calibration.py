@@ -68,7 +68,7 @@ def test_measured_cpu_runs_calibrate_later_searches(tmp_path):
     # 6 trials: on a loaded machine the median pruner stops slower ones at step 2 (1 of 4 seen
     # here under load; a CI run ended with fewer than MIN_PAIRS fitting of 4), and calibration
     # learns only from fitting measurements
-    measured = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--backend", "measured",
+    measured = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--evaluator", "measured",
                                "--trials", "6", "--steps", "2", "--warmup-steps", "1"],
                               env=env, capture_output=True, text=True, timeout=900)
     assert measured.returncode == 0, measured.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_measured_cpu_runs_calibrate_later_searches(tmp_path):
     assert cal is not None and cal.n_pairs == len(pairs) >= MIN_PAIRS
     assert 0.8 < cal.factors["peak_allocated"] < 1.25  # the analytic model is close on the CPU
 
-    later = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--backend", "analytic",
+    later = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--evaluator", "analytic",
                             "--trials", "4", "--seq-len", "256"], env=env, capture_output=True, text=True, timeout=300)
     assert later.returncode == 0, later.stderr[-3000:]
     best = json.loads(later.stdout)["best"]
@@ -86,12 +86,12 @@ def test_measured_cpu_runs_calibrate_later_searches(tmp_path):
     raw = best["extra"]["raw"]["memory"]["peak_allocated"]
     assert best["memory"]["peak_allocated"] == pytest.approx(raw * cal.factors["peak_allocated"], rel=0.01)
 
-    off = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--backend", "analytic",
+    off = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--evaluator", "analytic",
                           "--trials", "4", "--seq-len", "512", "--no-calibration"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert "calibration" not in json.loads(off.stdout)["best"].get("extra", {})
 
     est = subprocess.run([sys.executable, "-m", "autofit", "estimate", "--model", str(model), "--gpus", "1xcpu",
-                          "--cpu-mem-budget", "2GiB", "--seq-len", "128", "--global-batch", "4", "--backend",
+                          "--cpu-mem-budget", "2GiB", "--seq-len", "128", "--global-batch", "4", "--evaluator",
                           "analytic"], env=env, capture_output=True, text=True, timeout=120)
     assert est.returncode == 0 and "calibrated by" in est.stdout and "raw analytic figures" in est.stdout

@@ -12,7 +12,7 @@ from autofit.search.space import Allowed, SearchSpace
 
 def request(model="gpt2", gpus="1xA10", trials=12, seq_len=1024, global_batch=8, **allowed):
     ctx = build_context(model, gpus, seq_len=seq_len, global_batch=global_batch)
-    return SearchRequest(ctx=ctx, allowed=Allowed.parse(**allowed), backend="analytic", trials=trials)
+    return SearchRequest(ctx=ctx, allowed=Allowed.parse(**allowed), evaluator="analytic", trials=trials)
 
 
 def test_screening_ranks_fitting_plans_first_and_enqueues_every_method():
@@ -117,7 +117,7 @@ def test_duplicates_do_not_use_up_the_budget(store):
     """A plan the sampler proposes again is not an evaluation: the study still stores exactly
     ``trials`` plans (before the fix: 21 of 24 with this seed)."""
     ctx = build_context("gpt2", "1xT4", seq_len=2048, global_batch=16)
-    req = SearchRequest(ctx=ctx, allowed=Allowed(), backend="analytic", trials=24, seed=4)
+    req = SearchRequest(ctx=ctx, allowed=Allowed(), evaluator="analytic", trials=24, seed=4)
     out = run_search(req, store)
     rows = store.trials(out.study.id)
     assert len(rows) == 24 and len({r.plan_id for r in rows}) == 24
@@ -131,7 +131,7 @@ def test_a_space_smaller_than_the_budget_is_exhausted_not_looped(store):
     ctx = build_context("gpt2", "1xcpu", seq_len=1024, global_batch=1)
     allowed = Allowed.parse(methods="full")  # 8 plans
     size = SearchSpace(ctx, allowed).size()
-    req = SearchRequest(ctx=ctx, allowed=allowed, backend="analytic", trials=size + 10)
+    req = SearchRequest(ctx=ctx, allowed=allowed, evaluator="analytic", trials=size + 10)
     events = []
     out = run_search(req, store, progress=lambda e, d: events.append(e))
     rows = store.trials(out.study.id)
@@ -161,10 +161,10 @@ def test_warm_start_enqueues_past_winners_mapped_into_the_new_space(store):
     queued = [t.system_attrs["fixed_params"] for t in study.trials]
     assert len(queued) == ENQUEUE_MAX and all(q not in queued[:i] for i, q in enumerate(queued))
     # a model of the same family with another size borrows its nearest relative's winners
-    kin = SearchRequest(ctx=build_context("gpt2-xl", "1xA10", seq_len=1024, global_batch=8), backend="analytic")
+    kin = SearchRequest(ctx=build_context("gpt2-xl", "1xA10", seq_len=1024, global_batch=8), evaluator="analytic")
     assert warm_start(kin, store, SearchSpace(kin.ctx, kin.allowed))
     # another GPU type starts cold
-    cold = SearchRequest(ctx=build_context("gpt2", "1xL4", seq_len=1024, global_batch=8), backend="analytic")
+    cold = SearchRequest(ctx=build_context("gpt2", "1xL4", seq_len=1024, global_batch=8), evaluator="analytic")
     assert warm_start(cold, store, SearchSpace(cold.ctx, cold.allowed)) == []
 
 
@@ -182,7 +182,7 @@ def test_a_measured_study_searches_and_enqueues_only_plans_it_can_measure(store)
 
     ctx = build_context("gpt2", "2xcpu", seq_len=256, global_batch=16, cpu_mem_budget="120MiB")
     ctx = dataclasses.replace(ctx, model=tiny("mistral-7b", layers=4, vocab_size=4000))
-    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="full"), backend="measured", trials=12)
+    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="full"), evaluator="measured", trials=12)
     analytic = SearchSpace(ctx, req.allowed)
     favourites = [analytic.suggest(_Replay(p)) for p in candidates(screen(analytic), 6)]
     assert any(p.fused_loss for p in favourites)  # what the screen would enqueue in the full space
@@ -316,7 +316,7 @@ def test_screened_and_pruned_are_two_statuses(store, monkeypatch):
 
     monkeypatch.setattr(loop, "get_evaluator", lambda backend, **kw: _StubEvaluator())
     ctx = build_context("llama-3.2-1b", "1xA10", seq_len=2048, global_batch=8)
-    out = run_search(SearchRequest(ctx=ctx, backend="simulated", trials=16), store)
+    out = run_search(SearchRequest(ctx=ctx, evaluator="simulated", trials=16), store)
     rows = store.trials(out.study.id)
     screened = [t for t in rows if t.status is Status.SCREENED]
     pruned = [t for t in rows if t.status is Status.PRUNED]

@@ -19,7 +19,7 @@ from autofit.search.workers import gpu_subsets
 
 def make_study(db_url, trials, global_batch=8):
     ctx = build_context("gpt2", "1xA10", seq_len=1024, global_batch=global_batch)
-    req = SearchRequest(ctx=ctx, allowed=Allowed(), backend="analytic", trials=trials)
+    req = SearchRequest(ctx=ctx, allowed=Allowed(), evaluator="analytic", trials=trials)
     with Store(db_url) as store:
         rec, finished = prepare_search(req, store)
     assert not finished
@@ -94,7 +94,7 @@ def test_two_workers_on_sqlite(tmp_path):
 def test_parallel_local_workers_from_the_cli(tmp_path):
     db = f"sqlite:///{tmp_path / 'p.db'}"
     r = CliRunner().invoke(cli, ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024",
-                                 "--global-batch", "8", "--backend", "analytic", "--trials", "8", "--parallel", "2",
+                                 "--global-batch", "8", "--evaluator", "analytic", "--trials", "8", "--parallel", "2",
                                  "--db", db, "--out", str(tmp_path / "o"), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -107,7 +107,7 @@ def test_parallel_local_workers_from_the_cli(tmp_path):
 def test_workers_zero_creates_the_study_and_a_worker_finishes_it(tmp_path):
     db = f"sqlite:///{tmp_path / 'w.db'}"
     args = ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8",
-            "--backend", "analytic", "--trials", "5", "--db", db, "--out", "", "--json"]
+            "--evaluator", "analytic", "--trials", "5", "--db", db, "--out", "", "--json"]
     r = CliRunner().invoke(cli, [*args, "--workers", "0"])
     assert r.exit_code == 0, r.output
     study = json.loads(r.stdout)["study"]

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from autofit.errors import SpecError
+from autofit.plan import LoraTargets
 from autofit.specs import MODELS, ModelSpec, resolve_model
 
 REQUIRED = [
@@ -51,9 +52,10 @@ def test_a_wrong_stated_count_is_refused():
 def test_lora_params_of_llama_attention_and_all_linear():
     m = MODELS["llama-2-7b"]
     # r × (in + out) for q, k, v, o (4096 -> 4096), 32 layers
-    assert m.lora_params(8, "attention") == 32 * 4 * 8 * (4096 + 4096)
+    assert m.lora_params(8, LoraTargets.ATTENTION) == 32 * 4 * 8 * (4096 + 4096)
     mlp = 2 * 8 * (4096 + 11008) + 8 * (11008 + 4096)
-    assert m.lora_params(8, "all-linear") == 32 * (4 * 8 * 8192 + mlp)
+    assert m.lora_params(8, LoraTargets.ALL_LINEAR) == 32 * (4 * 8 * 8192 + mlp)
+    assert m.lora_params(8) == m.lora_params(8, LoraTargets.ALL_LINEAR)  # no targets: every Linear
 
 
 def test_resolve_by_name_is_case_insensitive():

@@ -68,7 +68,7 @@ def future_store(tmp_path_factory):
 
 
 def _fill(store: Store) -> tuple[int, list]:
-    study = store.create_study(gpt2_ctx(), backend="analytic", allowed=ALLOWED, name="kept")
+    study = store.create_study(gpt2_ctx(), evaluator="analytic", allowed=ALLOWED, name="kept")
     records = [store.record_trial(study.id, r) for r in gpt2_results(gpt2_ctx())]
     return study.id, records
 
@@ -105,7 +105,7 @@ def test_optuna_and_autofit_share_one_database(store):
         study.tell(trial, trial.suggest_int("micro_batch", 1, 8))
     assert storage.get_current_version() == storage.get_head_version()  # Optuna's own revision, untouched
 
-    ours = store.create_study(gpt2_ctx(), backend="analytic", optuna_study_name="shared")
+    ours = store.create_study(gpt2_ctx(), evaluator="analytic", optuna_study_name="shared")
     store.record_trial(ours.id, gpt2_results(gpt2_ctx())[0], number=0, optuna_trial_id=study.trials[0]._trial_id)
     with store.engine.connect() as conn:
         tables = set(inspect(conn).get_table_names())
@@ -145,6 +145,15 @@ def _migrated(revision: str, trial: dict) -> dict:
     return trial
 
 
+def _study_now(study: dict) -> dict:
+    """A study record as a fixture recorded it, under today's names: the record's ``backend``
+    is ``evaluator`` (the database column kept its name; only the record's key changed)."""
+    study = dict(study)
+    if "backend" in study:
+        study["evaluator"] = study.pop("backend")
+    return study
+
+
 def _subset(expected, actual, where=""):
     """Every value the fixture recorded is still there (new columns may add keys)."""
     if isinstance(expected, dict):
@@ -171,7 +180,7 @@ def test_fixture_database_upgrades_to_head_keeping_every_row(revision, tmp_path)
         summaries = store.list_studies()
         assert len(summaries) == len(manifest["studies"]) == 2
         for expected, summary in zip(manifest["studies"], summaries):
-            _subset(expected["study"], summary.study.as_dict(), summary.study.name)
+            _subset(_study_now(expected["study"]), summary.study.as_dict(), summary.study.name)
             trials = store.trials(summary.study.id)
             assert len(trials) == len(expected["trials"])
             for want, got in zip(expected["trials"], trials):
@@ -196,7 +205,7 @@ def test_0002_tells_screened_from_pruned_by_the_pruner(db_url):
     old_screened = dataclasses.replace(screened, status=Status.PRUNED)  # how 0001's search recorded it
     by_pruner = dataclasses.replace(slow, evaluator="measured", status=Status.PRUNED, extra={"pruned_by": "pruner"})
     with _at_0001(db_url) as store:
-        study = store.create_study(ctx, backend="measured", name="old")
+        study = store.create_study(ctx, evaluator="measured", name="old")
         for r in (fast, old_screened, by_pruner, oom):
             store.record_trial(study.id, r)
         assert store.upgrade() == ("0001", HEAD)
@@ -223,9 +232,9 @@ def test_0002_recovers_the_memory_budget_of_a_cpu_study(db_url):
 
     ctx = build_context("gpt2", "1xcpu", seq_len=256, global_batch=8, cpu_mem_budget="3GiB")
     with _at_0001(db_url) as store:
-        study = store.create_study(ctx, backend="analytic", name="cpu")
+        study = store.create_study(ctx, evaluator="analytic", name="cpu")
         store.record_trial(study.id, AnalyticEvaluator().evaluate(Plan(micro_batch=8, grad_accum=1), ctx))
-        store.create_study(ctx, backend="analytic", name="cpu-empty")
+        store.create_study(ctx, evaluator="analytic", name="cpu-empty")
         studies = sa.table("autofit_studies", sa.column("id", sa.Integer()), sa.column("cluster", sa.JSON()))
         with store.engine.begin() as conn:  # what 0001's autofit wrote: the name only
             for row in conn.execute(sa.select(studies)).all():

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _study(store, ctx=None, **kw):
-    kw.setdefault("backend", "analytic")
+    kw.setdefault("evaluator", "analytic")
     kw.setdefault("allowed", ALLOWED)
     return store.create_study(ctx or gpt2_ctx(), **kw)
 
@@ -113,15 +113,15 @@ def test_best_trial_across_studies_and_filters(store):
 
 def test_identical_requests_share_a_key_and_find_the_latest_finished_study(store):
     ctx = gpt2_ctx()
-    key = request_key(ctx, backend="analytic", allowed=ALLOWED)
+    key = request_key(ctx, evaluator="analytic", allowed=ALLOWED)
     shuffled = {k: list(reversed(v)) for k, v in reversed(list(ALLOWED.items()))}
-    assert request_key(gpt2_ctx(), backend="analytic", allowed=shuffled) == key
-    assert request_key(ctx, backend="simulated", allowed=ALLOWED) != key
-    assert request_key(ctx, backend="analytic", allowed={"methods": ["full"]}) != key
-    assert request_key(gpt2_ctx(seq_len=512), backend="analytic", allowed=ALLOWED) != key
-    assert request_key(dataclasses.replace(ctx, headroom=0.1), backend="analytic", allowed=ALLOWED) != key
+    assert request_key(gpt2_ctx(), evaluator="analytic", allowed=shuffled) == key
+    assert request_key(ctx, evaluator="simulated", allowed=ALLOWED) != key
+    assert request_key(ctx, evaluator="analytic", allowed={"methods": ["full"]}) != key
+    assert request_key(gpt2_ctx(seq_len=512), evaluator="analytic", allowed=ALLOWED) != key
+    assert request_key(dataclasses.replace(ctx, headroom=0.1), evaluator="analytic", allowed=ALLOWED) != key
     renamed = dataclasses.replace(ctx, model=dataclasses.replace(ctx.model, name="my-gpt2", source="/tmp/x"))
-    assert request_key(renamed, backend="analytic", allowed=ALLOWED) == key  # same architecture, same answer
+    assert request_key(renamed, evaluator="analytic", allowed=ALLOWED) == key  # same architecture, same answer
 
     assert store.find_finished_study(key) is None
     first = _study(store)
@@ -203,7 +203,7 @@ def test_session_scope_rolls_back_and_reports_one_masked_line(store):
             s.get(StudyModel, study.id).model_name = "changed"
             s.add(StudyModel(**{c: getattr(s.get(StudyModel, study.id), c) for c in ("name", "model_name",
                   "model_fingerprint", "model_spec", "cluster", "cluster_label", "gpu_name", "workload", "seq_len",
-                  "global_batch", "allowed", "backend", "budget", "headroom", "versions", "status", "request_key")}))
+                  "global_batch", "allowed", "evaluator", "budget", "headroom", "versions", "status", "request_key")}))
     message = str(err.value)
     assert message.startswith(f"database error ({store.masked_url}): ") and "\n" not in message
     assert re.search(r"unique|duplicate", message, re.I)
@@ -467,13 +467,13 @@ def test_a_cpu_study_keeps_its_memory_budget(store):
 
     ctx = build_context("gpt2", "1xcpu", seq_len=256, global_batch=8, cpu_mem_budget="3GiB")
     assert ctx.capacity_bytes == 3 * 2**30
-    study = store.create_study(ctx, backend="measured")
+    study = store.create_study(ctx, evaluator="measured")
     back = store.get_study(study.id).context()
     assert back == ctx and back.capacity_bytes == back.cluster.gpu.memory_bytes == 3 * 2**30
     assert back.budget_bytes == ctx.budget_bytes
     request = request_from_study(store.get_study(study.id))
-    assert request.ctx == ctx and request.request_key == SearchRequest(ctx=ctx, backend="measured").request_key
-    assert study.request_key == request_key(ctx, backend="measured")
+    assert request.ctx == ctx and request.request_key == SearchRequest(ctx=ctx, evaluator="measured").request_key
+    assert study.request_key == request_key(ctx, evaluator="measured")
 
 
 def test_a_trial_result_round_trips_through_its_dict(store):
