@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 from autofit.errors import PlanError
 from autofit.specs import ClusterSpec, ModelSpec, Workload
@@ -169,7 +170,7 @@ class Plan:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -181,7 +182,7 @@ class Plan:
         blob = json.dumps(self.as_dict(), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
-    def replace(self, **changes: Any) -> "Plan":
+    def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
@@ -271,15 +272,15 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         if plan.offload is Offload.OPTIMIZER_PARAMS and plan.sharding is Sharding.ZERO2:
             p.append("offloading parameters needs zero3 or fsdp (zero2 offloads only the optimizer)")
         if plan.sharding is Sharding.FSDP and plan.offload is Offload.OPTIMIZER:
-            p.append(
-                "FSDP offloads parameters, gradients and optimizer together: use offload optimizer+params"
-            )
+            p.append("FSDP offloads parameters, gradients and optimizer together: use offload optimizer+params")
         if plan.offload_device is OffloadDevice.NVME and plan.sharding is not Sharding.ZERO3:
             p.append("NVMe offload (ZeRO-Infinity) needs zero3; use offload device cpu")
         if plan.optimizer in _EIGHT_BIT:
             p.append(f"{plan.optimizer.value} keeps its states on the GPU and cannot be offloaded; use adamw")
         elif plan.engine == "deepspeed" and plan.optimizer is not Optimizer.ADAMW:
-            p.append(f"DeepSpeed offload runs only Adam-family optimizers on the CPU; use adamw, not {plan.optimizer.value}")
+            p.append(
+                f"DeepSpeed offload runs only Adam-family optimizers on the CPU; use adamw, not {plan.optimizer.value}"
+            )
     elif plan.offload_device is not OffloadDevice.CPU:
         p.append("--offload-device applies only with an offload; drop it")
     if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):

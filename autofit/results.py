@@ -7,9 +7,10 @@ them, reports draw them), so they live below all of them. Imports without torch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 from autofit.plan import Plan
 from autofit.specs import Target
@@ -68,7 +69,7 @@ class MemoryAnatomy:
         return {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MemoryAnatomy":
+    def from_dict(cls, d: dict[str, Any]) -> MemoryAnatomy:
         return cls(**{f.name: int(d.get(f.name, 0) or 0) for f in dataclasses.fields(cls)})
 
     @property
@@ -94,7 +95,7 @@ class Throughput:
         return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Throughput":
+    def from_dict(cls, d: dict[str, Any]) -> Throughput:
         return cls(**{f.name: float(d.get(f.name, 0.0) or 0.0) for f in dataclasses.fields(cls)})
 
 
@@ -118,20 +119,23 @@ class TrialResult:
     def tokens_per_sec(self) -> float:
         return self.throughput.tokens_per_sec if self.throughput else 0.0
 
-    def embedded_prediction(self) -> "TrialResult | None":
+    def embedded_prediction(self) -> TrialResult | None:
         """The estimate a measured result was screened by, stored inside it (the stored pair)."""
         p = self.extra.get("predicted") if self.extra else None
         if not p or not p.get("memory"):
             return None
         return TrialResult(
-            plan=self.plan, status=Status(p["status"]), evaluator=p["evaluator"],
+            plan=self.plan,
+            status=Status(p["status"]),
+            evaluator=p["evaluator"],
             memory=MemoryAnatomy.from_dict(p["memory"]),
             throughput=Throughput.from_dict(p["throughput"]) if p.get("throughput") else None,
-            capacity_bytes=self.capacity_bytes, reason=p.get("reason", ""),
+            capacity_bytes=self.capacity_bytes,
+            reason=p.get("reason", ""),
         )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrialResult":
+    def from_dict(cls, d: dict[str, Any]) -> TrialResult:
         """The inverse of :meth:`as_dict` (its derived keys ``plan_id``, ``fits``, ``bottleneck`` are ignored)."""
         return cls(
             plan=Plan.from_dict(d["plan"]),
@@ -169,8 +173,7 @@ class TrialResult:
 # fast ones the plan evaluated first (so a measurement that confirms a prediction never
 # demotes its plan). ``autofit.store.store`` states the same rule in SQL for queries
 # across studies (a test holds the two together).
-def authoritative(results: Iterable[TrialResult]
-                  ) -> tuple[tuple[TrialResult, ...], dict[str, tuple[TrialResult, ...]]]:
+def authoritative(results: Iterable[TrialResult]) -> tuple[tuple[TrialResult, ...], dict[str, tuple[TrialResult, ...]]]:
     """One result per plan (the most faithful; the latest among equals), in the order plans
     first appear, and every evaluation by plan (one per evaluator, the latest, least faithful
     first; a measured row's embedded prediction counts as an evaluation where no row of that
@@ -231,7 +234,8 @@ def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
 def bottleneck(components: dict[str, float]) -> str:
     """``activation-bound``, ``optimizer-bound`` or ``weight-bound``: what dominates the peak."""
     groups = {
-        "activation-bound": components.get("activations", 0) + components.get("logits", 0)
+        "activation-bound": components.get("activations", 0)
+        + components.get("logits", 0)
         + components.get("temporary", 0),
         "optimizer-bound": components.get("optimizer", 0) + components.get("gradients", 0),
         "weight-bound": components.get("weights", 0),

@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping
 SMALL = 0.01  # components under 1% of the peak are compared in points of the peak (the tests' rule)
 
 
-def component_errors(ref: Mapping[str, float], other: Mapping[str, float], peak: float,
-                     small: float = SMALL) -> dict[str, float]:
+def component_errors(
+    ref: Mapping[str, float], other: Mapping[str, float], peak: float, small: float = SMALL
+) -> dict[str, float]:
     """|other - ref| per component: relative to ``ref``, or in points of ``peak`` when both are small."""
     out = {}
     for comp, r in ref.items():
@@ -38,12 +39,14 @@ def summary_table(cases: Iterable[Case], label: str, small: float = SMALL) -> li
     def pct(xs: list[float]) -> tuple[str, str]:
         return (f"{statistics.median(xs) * 100:.3f}%", f"{max(xs) * 100:.3f}%") if xs else ("–", "–")
 
-    rows = [f"| {label} | cases | median rel. | worst rel. | cases ≥ {small:.0%} of peak "
-            "| median, points of peak | worst, points of peak |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        f"| {label} | cases | median rel. | worst rel. | cases ≥ {small:.0%} of peak "
+        "| median, points of peak | worst, points of peak |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     med, worst = pct([abs(op - rp) / rp for _, _, rp, op in cases])
     rows.append(f"| **peak** | {len(cases)} | {med} | {worst} | {len(cases)} | {med} | {worst} |")
-    for comp in (cases[0][0] if cases else {}):
+    for comp in cases[0][0] if cases else {}:
         rel = [abs(o.get(comp, 0) - r[comp]) / r[comp] for r, o, p, _ in cases if r[comp] >= small * p]
         pts = [abs(o.get(comp, 0) - r[comp]) / p for r, o, p, _ in cases]
         (m1, w1), (m2, w2) = pct(rel), pct(pts)

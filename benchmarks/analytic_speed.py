@@ -14,9 +14,8 @@ import random
 import time
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.specs import Target
 from autofit.plan import Plan, plan_problems
-from autofit.specs import Workload, parse_cluster, resolve_model
+from autofit.specs import Target, Workload, parse_cluster, resolve_model
 
 
 def valid_plans(ctx: Target) -> list[Plan]:
@@ -25,13 +24,29 @@ def valid_plans(ctx: Target) -> list[Plan]:
     mbs = [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]
     out = []
     for method, prec, opt, ckpt, attn, shard, off, fused, mb in itertools.product(
-        ("full", "lora", "qlora"), ("bf16-mixed", "bf16-true"), ("adamw", "adamw-8bit", "adafactor"),
-        ("none", "full"), ("sdpa", "flash2"), ("none", "zero1", "zero2", "zero3", "fsdp"),
-        ("none", "optimizer", "optimizer+params"), (False, True), mbs,
+        ("full", "lora", "qlora"),
+        ("bf16-mixed", "bf16-true"),
+        ("adamw", "adamw-8bit", "adafactor"),
+        ("none", "full"),
+        ("sdpa", "flash2"),
+        ("none", "zero1", "zero2", "zero3", "fsdp"),
+        ("none", "optimizer", "optimizer+params"),
+        (False, True),
+        mbs,
     ):
-        plan = Plan(method=method, lora_rank=16 if method != "full" else None, precision=prec, optimizer=opt,
-                    checkpointing=ckpt, attention=attn, sharding=shard, offload=off, fused_loss=fused,
-                    micro_batch=mb, grad_accum=per_rank // mb)
+        plan = Plan(
+            method=method,
+            lora_rank=16 if method != "full" else None,
+            precision=prec,
+            optimizer=opt,
+            checkpointing=ckpt,
+            attention=attn,
+            sharding=shard,
+            offload=off,
+            fused_loss=fused,
+            micro_batch=mb,
+            grad_accum=per_rank // mb,
+        )
         if not plan_problems(plan, ctx.model, ctx.cluster, ctx.workload):
             out.append(plan)
     return out
@@ -50,8 +65,10 @@ def main() -> None:
     t0 = time.perf_counter()
     fits = sum(ev.evaluate(p, ctx).fits for p in sample)
     dt = time.perf_counter() - t0
-    print(f"{args.model} on {args.gpus}: {len(plans)} valid plans; scored {args.n} in {dt:.2f} s "
-          f"= {args.n / dt:,.0f} plans/s ({fits} fit); goal 10,000 plans/s: {'met' if args.n / dt >= 10000 else 'NOT met'}")
+    print(
+        f"{args.model} on {args.gpus}: {len(plans)} valid plans; scored {args.n} in {dt:.2f} s "
+        f"= {args.n / dt:,.0f} plans/s ({fits} fit); goal 10,000 plans/s: {'met' if args.n / dt >= 10000 else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -81,13 +81,13 @@ from pathlib import Path
 from _deepspeed import instantiation_bytes
 from _machine import machine, uptime, versions
 
-from autofit.specs import Target
-from autofit.results import Status, TrialResult
 from autofit.evaluators.measured import MeasuredEvaluator
 from autofit.plan import Plan, Sharding
-from autofit.search.request import build_context
+from autofit.results import Status, TrialResult
 from autofit.search.loop import SearchRequest, run_search
+from autofit.search.request import build_context
 from autofit.search.space import Allowed
+from autofit.specs import Target
 
 MiB = 2**20
 ENV = {"OMP_NUM_THREADS": "1"}  # two ranks on two cores: one thread each (as tests/evaluators do)
@@ -133,9 +133,17 @@ def write_model(root: Path, layers: int, hidden: int, vocab: int) -> Path:
     from transformers import MistralConfig
 
     d = root / f"mistral-l{layers}-h{hidden}-v{vocab}"
-    MistralConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=hidden // 8, vocab_size=vocab,
-                  max_position_embeddings=4096, tie_word_embeddings=False).save_pretrained(d)
+    MistralConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden // 8,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ).save_pretrained(d)
     return d
 
 
@@ -144,8 +152,14 @@ def run_autofit(ctx: Target, args, db: str) -> Side:
     from autofit.store import Store
 
     options = {"timeout_s": args.trial_timeout, "cpu_mem_budget": ctx.capacity_bytes, "env": ENV}
-    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods=args.methods), evaluator="measured",
-                            trials=args.trials, seed=args.seed, evaluator_options=options)
+    request = SearchRequest(
+        ctx=ctx,
+        allowed=Allowed.parse(methods=args.methods),
+        evaluator="measured",
+        trials=args.trials,
+        seed=args.seed,
+        evaluator_options=options,
+    )
     rows: list[Row] = []
     t0 = time.perf_counter()
 
@@ -154,8 +168,11 @@ def run_autofit(ctx: Target, args, db: str) -> Side:
             r: TrialResult = data["result"]
             note = "duplicate: already measured, not stored again" if event == "trial-duplicate" else ""
             rows.append(Row(data["number"], time.perf_counter() - t0, r, note))
-            print(f"  autofit #{data['number']:<2} {time.perf_counter() - t0:6.0f} s  {_line(r)}"
-                  + (f"  [{note}]" if note else ""), flush=True)
+            print(
+                f"  autofit #{data['number']:<2} {time.perf_counter() - t0:6.0f} s  {_line(r)}"
+                + (f"  [{note}]" if note else ""),
+                flush=True,
+            )
 
     with Store(db) as store:
         out = run_search(request, store, fresh=True, progress=progress, warm=False)
@@ -166,8 +183,16 @@ def run_autofit(ctx: Target, args, db: str) -> Side:
 
 # -- the DeepSpeed-autotuner-style grid -------------------------------------------------------
 def base_plan(mb: int, per_rank: int, stage: int) -> Plan:
-    return Plan(method="full", precision="bf16-mixed", optimizer="adamw", micro_batch=mb,
-                grad_accum=per_rank // mb, checkpointing="none", attention="sdpa", sharding=STAGES[stage])
+    return Plan(
+        method="full",
+        precision="bf16-mixed",
+        optimizer="adamw",
+        micro_batch=mb,
+        grad_accum=per_rank // mb,
+        checkpointing="none",
+        attention="sdpa",
+        sharding=STAGES[stage],
+    )
 
 
 def run_grid(ctx: Target, args) -> Side:
@@ -197,21 +222,28 @@ def run_grid(ctx: Target, args) -> Side:
     m = prof.memory
     activation_mem = max(1, m.peak_allocated - m.weights - m.gradients - m.optimizer)
     n = ctx.model.n_params
-    print(f"  grid: {n / 1e6:.2f} M parameters, activation_mem (mb1, measured) {activation_mem / MiB:.1f} MiB, "
-          f"budget {budget / MiB:.0f} MiB per rank", flush=True)
+    print(
+        f"  grid: {n / 1e6:.2f} M parameters, activation_mem (mb1, measured) {activation_mem / MiB:.1f} MiB, "
+        f"budget {budget / MiB:.0f} MiB per rank",
+        flush=True,
+    )
 
     best_mbs = prev_max_mbs = 0
     for stage in args.stages:
         inst = instantiation_bytes(n, stage, ranks)
         need = inst + activation_mem
         if need >= budget:
-            skip(f"stage {stage}: model states {inst / MiB:.1f} MiB + activations {activation_mem / MiB:.1f} MiB "
-                 f">= {budget / MiB:.0f} MiB: not runnable, skipped")
+            skip(
+                f"stage {stage}: model states {inst / MiB:.1f} MiB + activations {activation_mem / MiB:.1f} MiB "
+                f">= {budget / MiB:.0f} MiB: not runnable, skipped"
+            )
             continue
         calc_max = int(budget - inst) // activation_mem
         if calc_max < prev_max_mbs:
-            skip(f"stage {stage}: calculated max micro-batch {calc_max} < {prev_max_mbs} of the best stage so far: "
-                 "'No need to tune', skipped")
+            skip(
+                f"stage {stage}: calculated max micro-batch {calc_max} < {prev_max_mbs} of the best stage so far: "
+                "'No need to tune', skipped"
+            )
             continue
         stage_best_val, stage_best_mbs, stage_max_mbs = 0.0, 0, 0
         for mb in mbs_list[: args.max_mbs_per_stage]:
@@ -276,8 +308,10 @@ def trial_table(s: Side) -> list[str]:
         why = "; ".join(x for x in (row.note, r.reason if r.status is not Status.FITS else "") if x)
         if r.evaluator == "analytic":
             why = "not run (analytic pre-screen); " + why
-        out.append(f"| {i}{mark} | {row.t_s:.0f} | {r.status.value} | {mem} | {tps} | {r.plan.summary()} | "
-                   f"{why.replace('|', '/')[:220]} |")
+        out.append(
+            f"| {i}{mark} | {row.t_s:.0f} | {r.status.value} | {mem} | {tps} | {r.plan.summary()} | "
+            f"{why.replace('|', '/')[:220]} |"
+        )
     return out
 
 
@@ -308,13 +342,21 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="autofit-measured-search-"))
     model_dir = write_model(tmp, args.layers, args.hidden, args.vocab)
-    ctx = build_context(str(model_dir), args.gpus, seq_len=args.seq_len, global_batch=args.global_batch,
-                        cpu_mem_budget=args.cpu_mem_budget)
+    ctx = build_context(
+        str(model_dir),
+        args.gpus,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        cpu_mem_budget=args.cpu_mem_budget,
+    )
     db = args.db or f"sqlite:///{tmp / 'search.db'}"
     load_before = uptime()
-    print(f"{ctx.model.n_params / 1e6:.2f} M parameters; {args.gpus}, {args.cpu_mem_budget} per rank "
-          f"(fit budget {ctx.budget_bytes / MiB:.0f} MiB with headroom); seq {args.seq_len}, global batch "
-          f"{args.global_batch}; load: {load_before}", flush=True)
+    print(
+        f"{ctx.model.n_params / 1e6:.2f} M parameters; {args.gpus}, {args.cpu_mem_budget} per rank "
+        f"(fit budget {ctx.budget_bytes / MiB:.0f} MiB with headroom); seq {args.seq_len}, global batch "
+        f"{args.global_batch}; load: {load_before}",
+        flush=True,
+    )
 
     t_all = time.perf_counter()
     print("autofit (run_search, backend measured):", flush=True)
@@ -351,13 +393,26 @@ def main() -> None:
         return str(v)
 
     summary = [
-        "| | autofit | grid (DeepSpeed fast mode) |", "|---|---|---|",
-        *(f"| {label} | {fmt(sa, k)} | {fmt(sg, k)} |" for label, k in (
-            ("wall time", "wall_s"), ("trials (stored results)", "trials"), ("runs launched", "launched"),
-            ("trials to reach its best", "to_best"), ("time to its best", "time_to_best_s"),
-            ("best plan", "best_plan"), ("best measured tokens/s", "best_tps"), ("its memory per rank", "best_mem"),
-            ("OOM trials", "oom"), ("failed / timeout trials", "failed"), ("screened trials", "screened"), ("pruned trials", "pruned"),
-            ("stages skipped by rule", "skipped"))),
+        "| | autofit | grid (DeepSpeed fast mode) |",
+        "|---|---|---|",
+        *(
+            f"| {label} | {fmt(sa, k)} | {fmt(sg, k)} |"
+            for label, k in (
+                ("wall time", "wall_s"),
+                ("trials (stored results)", "trials"),
+                ("runs launched", "launched"),
+                ("trials to reach its best", "to_best"),
+                ("time to its best", "time_to_best_s"),
+                ("best plan", "best_plan"),
+                ("best measured tokens/s", "best_tps"),
+                ("its memory per rank", "best_mem"),
+                ("OOM trials", "oom"),
+                ("failed / timeout trials", "failed"),
+                ("screened trials", "screened"),
+                ("pruned trials", "pruned"),
+                ("stages skipped by rule", "skipped"),
+            )
+        ),
     ]
     lines = [
         f"# Measured search on this CPU: autofit vs a DeepSpeed-autotuner-style grid — {today}",
@@ -399,8 +454,11 @@ def main() -> None:
     lines += ["## autofit trials", "", *trial_table(af), "", "## grid trials", "", *trial_table(grid), ""]
     text = "\n".join(lines)
     print("\n" + text)
-    out = Path(args.out) if args.out else (None if args.quick else
-                                           Path(f"benchmarks/results/{today}-CPU-measured-search.md"))
+    out = (
+        Path(args.out)
+        if args.out
+        else (None if args.quick else Path(f"benchmarks/results/{today}-CPU-measured-search.md"))
+    )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

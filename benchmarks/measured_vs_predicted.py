@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from autofit.evaluators import get_evaluator
-from autofit.specs import Target
-from autofit.results import Status, TrialResult
 from autofit.plan import Plan
+from autofit.results import Status, TrialResult
 from autofit.search.request import build_context
+from autofit.specs import Target
 
 GiB = 2**30
 
@@ -36,13 +36,25 @@ GiB = 2**30
 def plans(global_batch: int) -> list[Plan]:
     def p(method: str, mb: int, ckpt: str) -> Plan:
         peft = {"lora_rank": 16} if method != "full" else {}
-        return Plan(method=method, precision="bf16-mixed", micro_batch=mb, grad_accum=global_batch // mb,
-                    checkpointing=ckpt, attention="sdpa", **peft)
+        return Plan(
+            method=method,
+            precision="bf16-mixed",
+            micro_batch=mb,
+            grad_accum=global_batch // mb,
+            checkpointing=ckpt,
+            attention="sdpa",
+            **peft,
+        )
 
     return [
-        p("full", 1, "full"), p("full", 2, "full"),
-        p("lora", 1, "none"), p("lora", 2, "none"), p("lora", 2, "full"),
-        p("qlora", 1, "none"), p("qlora", 2, "none"), p("qlora", 2, "full"),
+        p("full", 1, "full"),
+        p("full", 2, "full"),
+        p("lora", 1, "none"),
+        p("lora", 2, "none"),
+        p("lora", 2, "full"),
+        p("qlora", 1, "none"),
+        p("qlora", 2, "none"),
+        p("qlora", 2, "full"),
     ]
 
 
@@ -75,8 +87,11 @@ def row(plan: Plan, meas: TrialResult, pred: TrialResult) -> str:
         m = getattr(meas.memory, key) if meas.memory else 0
         p = getattr(pred.memory, key) if pred.memory else 0
         cells += [f"{m / GiB:.2f}" if m else "-", f"{p / GiB:.2f}", ratio(p, m)]
-    cells += [f"{meas.tokens_per_sec:,.0f}" if meas.status is Status.FITS else "-",
-              f"{pred.tokens_per_sec:,.0f}", ratio(pred.tokens_per_sec, meas.tokens_per_sec)]
+    cells += [
+        f"{meas.tokens_per_sec:,.0f}" if meas.status is Status.FITS else "-",
+        f"{pred.tokens_per_sec:,.0f}",
+        ratio(pred.tokens_per_sec, meas.tokens_per_sec),
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -93,8 +108,9 @@ def main() -> None:
     args = ap.parse_args()
 
     gpus = args.gpus or local_target()
-    ctx: Target = build_context(args.model, gpus, seq_len=args.seq_len, global_batch=args.global_batch,
-                                     cpu_mem_budget=args.cpu_mem_budget)
+    ctx: Target = build_context(
+        args.model, gpus, seq_len=args.seq_len, global_batch=args.global_batch, cpu_mem_budget=args.cpu_mem_budget
+    )
     pname = predictor()
     measured = get_evaluator("measured", timeout_s=args.trial_timeout)
     predicted = get_evaluator(pname)
@@ -115,8 +131,10 @@ def main() -> None:
         lines.append(row(plan, m, p))
         print(lines[-1], f"({time.perf_counter() - t0:.0f} s{'; ' + m.reason if m.reason else ''})", flush=True)
 
-    versions = {k: importlib.metadata.version(k) for k in ("torch", "transformers", "peft", "bitsandbytes",
-                                                            "accelerate", "deepspeed")}
+    versions = {
+        k: importlib.metadata.version(k)
+        for k in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed")
+    }
     device = m.extra.get("device_name", gpus)
     head = [
         f"# Measured vs {pname}: {ctx.model.name} on {gpus} ({device})",
@@ -133,8 +151,10 @@ def main() -> None:
     ]
     text = "\n".join(head + lines) + "\n"
     print(text)
-    out = Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}-"
-                           f"{gpus.split('x', 1)[1]}-measured-vs-{pname}.md")
+    out = Path(
+        args.out
+        or f"benchmarks/results/{datetime.date.today().isoformat()}-{gpus.split('x', 1)[1]}-measured-vs-{pname}.md"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"written to {out}")

@@ -104,19 +104,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from unittest import mock
 
 from _deepspeed import instantiation_bytes
 from _machine import machine
 
-from autofit.search import loop as search
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.specs import Target
 from autofit.evaluators.base import Evaluator
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -127,8 +125,10 @@ from autofit.plan import (
     Precision,
     Sharding,
 )
+from autofit.results import Status, TrialResult
+from autofit.search import loop as search
 from autofit.search.space import Allowed, SearchSpace
-from autofit.specs import Workload, parse_cluster, resolve_model
+from autofit.specs import Target, Workload, parse_cluster, resolve_model
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -150,15 +150,20 @@ class Request:
 
     @property
     def label(self) -> str:
-        return f"{self.model} on {self.gpus}" + (f" (global batch {self.global_batch})" if self.global_batch != 16 else "")
+        return f"{self.model} on {self.gpus}" + (
+            f" (global batch {self.global_batch})" if self.global_batch != 16 else ""
+        )
 
     @property
     def slug(self) -> str:
         return f"{self.model}-{self.gpus}-seq{self.seq_len}-gb{self.global_batch}"
 
     def ctx(self) -> Target:
-        return Target(resolve_model(self.model), parse_cluster(self.gpus),
-                           Workload(seq_len=self.seq_len, global_batch=self.global_batch))
+        return Target(
+            resolve_model(self.model),
+            parse_cluster(self.gpus),
+            Workload(seq_len=self.seq_len, global_batch=self.global_batch),
+        )
 
     def space(self) -> SearchSpace:
         return SearchSpace(self.ctx(), self.allowed)
@@ -185,13 +190,12 @@ def versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     try:
-        out["autofit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                        text=True, check=True).stdout.strip()
+        out["autofit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         out["autofit"] = "unknown"
     return out
-
-
 
 
 # -- the oracle ---------------------------------------------------------------------------------
@@ -205,8 +209,10 @@ class Oracle:
         self.entries = list(self.space.enumerate_params())  # (params, plan)
         missing = [p.plan_id for _, p in self.entries if p.plan_id not in table]
         if missing:
-            raise RuntimeError(f"{kind} oracle for {request.label}: {len(missing)} of {len(self.entries)} plans "
-                               "have no result (run --build-oracle-only)")
+            raise RuntimeError(
+                f"{kind} oracle for {request.label}: {len(missing)} of {len(self.entries)} plans "
+                "have no result (run --build-oracle-only)"
+            )
         self.table = table
         fitting = [table[p.plan_id] for _, p in self.entries if table[p.plan_id].fits]
         self.best = max(fitting, key=lambda r: r.tokens_per_sec, default=None)
@@ -248,8 +254,9 @@ def read_table(path: Path) -> dict[str, TrialResult]:
     return table
 
 
-def build_simulated_oracle(request: Request, rebuild: bool = False, reverse: bool = False,
-                           log: Callable[[str], None] = print) -> None:
+def build_simulated_oracle(
+    request: Request, rebuild: bool = False, reverse: bool = False, log: Callable[[str], None] = print
+) -> None:
     """Simulate every plan not yet in the table, appending one line per plan (resumable).
 
     Plans are ordered by ``TraceKey`` so plans that share a trace follow each other and hit
@@ -286,16 +293,27 @@ def build_simulated_oracle(request: Request, rebuild: bool = False, reverse: boo
 
     try:
         if not done:
-            append({"meta": {"request": request.slug, "allowed": request.allowed.as_dict(), "plans": len(entries),
-                             "versions": versions(), "machine": machine()}})
+            append(
+                {
+                    "meta": {
+                        "request": request.slug,
+                        "allowed": request.allowed.as_dict(),
+                        "plans": len(entries),
+                        "versions": versions(),
+                        "machine": machine(),
+                    }
+                }
+            )
         t0 = time.perf_counter()
         for i, (params, plan) in enumerate(todo, 1):
             if plan.plan_id in read_table(path):  # done by the other process
                 continue
             r = ev.evaluate(plan, ctx)
             append({"plan_id": plan.plan_id, "params": params, "result": r.as_dict()})
-            log(f"  [{i}/{len(todo)}] {time.perf_counter() - t0:7.0f} s  {r.duration_s:5.1f} s  {r.status.value:6s} "
-                f"{r.tokens_per_sec:8.0f} tok/s  {plan.summary()}")
+            log(
+                f"  [{i}/{len(todo)}] {time.perf_counter() - t0:7.0f} s  {r.duration_s:5.1f} s  {r.status.value:6s} "
+                f"{r.tokens_per_sec:8.0f} tok/s  {plan.summary()}"
+            )
     finally:
         os.close(fd)
 
@@ -330,7 +348,7 @@ class Run:
     results: list[TrialResult | None]
     kinds: list[str]
 
-    def prefix(self, budget: int) -> "Run":
+    def prefix(self, budget: int) -> Run:
         return Run(self.results[:budget], self.kinds[:budget])
 
     def best_fraction(self, oracle: Oracle) -> float:
@@ -362,8 +380,16 @@ def temp_store() -> Iterator[Any]:
             store.close()
 
 
-def autofit_run(oracle: Oracle, budget: int, seed: int, *, screen: bool = True, store=None, warm: bool = True,
-                request: Request | None = None) -> Run:
+def autofit_run(
+    oracle: Oracle,
+    budget: int,
+    seed: int,
+    *,
+    screen: bool = True,
+    store=None,
+    warm: bool = True,
+    request: Request | None = None,
+) -> Run:
     """The real ``search.run_search``; trials in the order they finished (duplicates included)."""
     req = request or oracle.request
     backend = "analytic" if oracle.kind == "analytic" else "simulated"
@@ -400,9 +426,18 @@ def base_plan(ctx: Target, micro_batch: int, sharding: Sharding = Sharding.NONE)
     """The user's plan the baselines start from (full fine-tuning, mixed precision, AdamW, sdpa)."""
     per_rank = ctx.workload.global_batch // ctx.cluster.world_size
     prec = Precision.BF16_MIXED if ctx.cluster.gpu.supports_bf16 else Precision.FP16_MIXED
-    return Plan(method=Method.FULL, precision=prec, optimizer=Optimizer.ADAMW, micro_batch=micro_batch,
-                grad_accum=per_rank // micro_batch, checkpointing=Checkpointing.NONE, attention=Attention.SDPA,
-                sharding=sharding, offload=Offload.NONE, fused_loss=False)
+    return Plan(
+        method=Method.FULL,
+        precision=prec,
+        optimizer=Optimizer.ADAMW,
+        micro_batch=micro_batch,
+        grad_accum=per_rank // micro_batch,
+        checkpointing=Checkpointing.NONE,
+        attention=Attention.SDPA,
+        sharding=sharding,
+        offload=Offload.NONE,
+        fused_loss=False,
+    )
 
 
 def halve_run(oracle: Oracle) -> Run:
@@ -443,7 +478,7 @@ def deepspeed_run(oracle: Oracle) -> tuple[Run, list[str]]:
             r = oracle.result(base_plan(ctx, eff, sharding))
             results.append(r)
             metric[key] = r.tokens_per_sec if r.fits else 0.0
-            notes.append(f"z{stage} mbs {eff}: {'%.0f tok/s' % r.tokens_per_sec if r.fits else r.status.value}")
+            notes.append(f"z{stage} mbs {eff}: {f'{r.tokens_per_sec:.0f} tok/s' if r.fits else r.status.value}")
         records.setdefault(stage, []).append((eff, metric[key]))
         return metric[key]
 
@@ -552,8 +587,10 @@ def deepspeed_run(oracle: Oracle) -> tuple[Run, list[str]]:
     for stage in (0, 1, 2, 3):
         need = inst(stage) + act
         if gpu_mem <= need:
-            notes.append(f"z{stage}: needs {need / 2**30:.1f} GiB (model states + activations) > "
-                         f"{gpu_mem / 2**30:.1f} GiB: not runnable" + ("; no tuning is performed" if stage == 3 else ""))
+            notes.append(
+                f"z{stage}: needs {need / 2**30:.1f} GiB (model states + activations) > "
+                f"{gpu_mem / 2**30:.1f} GiB: not runnable" + ("; no tuning is performed" if stage == 3 else "")
+            )
             continue
         nmax, nmbs, _ = tune_space(stage, max_mbs)
         if stage < 3 and nmbs > mbs:
@@ -567,7 +604,10 @@ STRATEGIES = ("autofit", "autofit TPE alone", "random", "deepspeed-autotuner", "
 
 def bench_request(oracle: Oracle, seeds: list[int], budgets: tuple[int, ...], log: Callable[[str], None]) -> dict:
     out: dict[str, Any] = {
-        "request": oracle.request.label, "oracle": oracle.kind, "space": len(oracle.entries), "fits": oracle.n_fit,
+        "request": oracle.request.label,
+        "oracle": oracle.kind,
+        "space": len(oracle.entries),
+        "fits": oracle.n_fit,
         "optimum": {"tokens_per_sec": oracle.optimum, "plan": oracle.best.plan.summary() if oracle.best else None},
         "strategies": {s: {} for s in STRATEGIES},
     }
@@ -576,9 +616,11 @@ def bench_request(oracle: Oracle, seeds: list[int], budgets: tuple[int, ...], lo
         pred = {p.plan_id: ev.evaluate(p, ctx) for _, p in oracle.entries}
         screen_best = max((r for r in pred.values() if r.fits), key=lambda r: r.tokens_per_sec)
         out["analytic_vs_oracle"] = {
-            "fit_agreement": sum(pred[i].fits == oracle.table[i].fits for i in pred), "plans": len(pred),
+            "fit_agreement": sum(pred[i].fits == oracle.table[i].fits for i in pred),
+            "plans": len(pred),
             "screen_best": screen_best.plan.summary(),
-            "screen_best_fraction": oracle.fraction(oracle.table[screen_best.plan.plan_id])}
+            "screen_best_fraction": oracle.fraction(oracle.table[screen_best.plan.plan_id]),
+        }
     t0 = time.perf_counter()
     ds, notes = deepspeed_run(oracle)
     out["deepspeed_log"] = notes
@@ -599,21 +641,33 @@ def bench_request(oracle: Oracle, seeds: list[int], budgets: tuple[int, ...], lo
         for name, runs in per.items():
             fr = [r.best_fraction(oracle) for r in runs]
             out["strategies"][name][b] = {
-                "best_fraction_median": statistics.median(fr), "best_fraction_min": min(fr),
-                "best_fraction": fr, "oom_median": statistics.median([r.oom() for r in runs]),
+                "best_fraction_median": statistics.median(fr),
+                "best_fraction_min": min(fr),
+                "best_fraction": fr,
+                "oom_median": statistics.median([r.oom() for r in runs]),
                 "trials_used_median": statistics.median([len(r.results) for r in runs]),
                 "expensive_median": statistics.median([r.count(EVAL) for r in runs]),
                 "pruned_median": statistics.median([r.count(PRUNED) for r in runs]),
                 "duplicate_median": statistics.median([r.count(DUPLICATE) for r in runs]),
             }
-        log(f"  budget {b:2d}: " + "  ".join(
-            f"{n} {out['strategies'][n][b]['best_fraction_median']:.1%}" for n in STRATEGIES))
+        log(
+            f"  budget {b:2d}: "
+            + "  ".join(f"{n} {out['strategies'][n][b]['best_fraction_median']:.1%}" for n in STRATEGIES)
+        )
     # trials to reach 98% of the optimum, within the largest budget (autofit: its runs at that budget)
-    out["reach98"] = {name: [r.first_reaching(oracle, GOAL_FRACTION) for r in runs] for name, runs in (
-        ("autofit", autofit_runs[max_b]), ("autofit TPE alone", list(tpe.values())),
-        ("random", list(rnd.values())), ("deepspeed-autotuner", [ds]), ("halve-until-fits", [halve]))}
-    out["autofit_trace"] = {s: [round(oracle.fraction(r), 4) for r in run.results]
-                            for s, run in zip(seeds, autofit_runs[max_b])}
+    out["reach98"] = {
+        name: [r.first_reaching(oracle, GOAL_FRACTION) for r in runs]
+        for name, runs in (
+            ("autofit", autofit_runs[max_b]),
+            ("autofit TPE alone", list(tpe.values())),
+            ("random", list(rnd.values())),
+            ("deepspeed-autotuner", [ds]),
+            ("halve-until-fits", [halve]),
+        )
+    }
+    out["autofit_trace"] = {
+        s: [round(oracle.fraction(r), 4) for r in run.results] for s, run in zip(seeds, autofit_runs[max_b])
+    }
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -643,8 +697,14 @@ def verdict(res: dict, budgets: tuple[int, ...]) -> dict[str, Any]:
 
     behind, ties = compare(BASELINES)
     ab_behind, ab_ties = compare(("autofit TPE alone",))
-    return {"reach98_within10": reach, "ahead_everywhere": not behind and not ties, "behind": behind, "ties": ties,
-            "ablation_behind": ab_behind, "ablation_ties": ab_ties}
+    return {
+        "reach98_within10": reach,
+        "ahead_everywhere": not behind and not ties,
+        "behind": behind,
+        "ties": ties,
+        "ablation_behind": ab_behind,
+        "ablation_ties": ab_ties,
+    }
 
 
 def fmt_cell(c: dict, show_expensive: bool = False) -> str:
@@ -662,8 +722,7 @@ def fmt_cell(c: dict, show_expensive: bool = False) -> str:
 
 
 def table(res: dict, budgets: tuple[int, ...]) -> list[str]:
-    lines = ["| strategy | " + " | ".join(f"{b} trials" for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
+    lines = ["| strategy | " + " | ".join(f"{b} trials" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name in STRATEGIES:
         cells = []
         for b in budgets:
@@ -711,13 +770,22 @@ def _int_keys(res: dict) -> dict:
 
 def header(doc: dict, title: str, script: str) -> list[str]:
     """Title, machine, versions and every command that contributed to ``doc``."""
-    lines = [f"# {title} — {DATE}", "",
-             f"Machine: {doc['machine']} (shared with other sessions' test runs). "
-             + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit") + ".", "", "```"]
-    lines += [f"$ python benchmarks/{script} {' '.join(r['argv'])}".rstrip() + f"   # {r['wall_s']:.0f} s"
-              + (f", autofit {r['autofit']}" if r.get("autofit") else "")
-              + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
-              for r in doc["runs"]]
+    lines = [
+        f"# {title} — {DATE}",
+        "",
+        f"Machine: {doc['machine']} (shared with other sessions' test runs). "
+        + ", ".join(f"{k} {val}" for k, val in doc["versions"].items() if k != "autofit")
+        + ".",
+        "",
+        "```",
+    ]
+    lines += [
+        f"$ python benchmarks/{script} {' '.join(r['argv'])}".rstrip()
+        + f"   # {r['wall_s']:.0f} s"
+        + (f", autofit {r['autofit']}" if r.get("autofit") else "")
+        + (f", load average at the end {r['load'][0]:.1f}" if r.get("load") else "")
+        for r in doc["runs"]
+    ]
     return lines + ["```", ""]
 
 
@@ -726,44 +794,69 @@ def render(doc: dict) -> str:
     results = doc["results"]
     lines = header(doc, "Search efficiency", "search_efficiency.py")
     lines += [
-              f"Seeds: {len(doc['seeds'])} (median reported; `min` shown where a seed did worse). Budgets: "
-              f"{', '.join(map(str, budgets))} trials. Each cell: best plan found as a fraction of the oracle optimum · "
-              "trials spent on plans that do not fit (evaluated and OOM); autofit cells add how the budget went: "
-              "evaluations, trials pruned by its analytic screen before evaluation (no evaluation cost) and duplicates "
-              "(the sampler proposed a plan already evaluated; Optuna counts the trial, nothing is evaluated). "
-              "DeepSpeed and halve-until-fits are deterministic (one run).", "",
-              "Goal (issue): autofit reaches >= 98% of the optimum within 10 trials on every request and is ahead "
-              "of every baseline at every budget.", "",
-              "| request | oracle | autofit ≥ 98% within 10 trials (worst seed) | autofit ahead of every baseline "
-              "(random, DeepSpeed autotuner, halve-until-fits) at every budget (medians; a tie is not ahead) | "
-              "autofit vs its own TPE alone (ablation) |", "|---|---|---|---|---|"]
+        f"Seeds: {len(doc['seeds'])} (median reported; `min` shown where a seed did worse). Budgets: "
+        f"{', '.join(map(str, budgets))} trials. Each cell: best plan found as a fraction of the oracle optimum · "
+        "trials spent on plans that do not fit (evaluated and OOM); autofit cells add how the budget went: "
+        "evaluations, trials pruned by its analytic screen before evaluation (no evaluation cost) and duplicates "
+        "(the sampler proposed a plan already evaluated; Optuna counts the trial, nothing is evaluated). "
+        "DeepSpeed and halve-until-fits are deterministic (one run).",
+        "",
+        "Goal (issue): autofit reaches >= 98% of the optimum within 10 trials on every request and is ahead "
+        "of every baseline at every budget.",
+        "",
+        "| request | oracle | autofit ≥ 98% within 10 trials (worst seed) | autofit ahead of every baseline "
+        "(random, DeepSpeed autotuner, halve-until-fits) at every budget (medians; a tie is not ahead) | "
+        "autofit vs its own TPE alone (ablation) |",
+        "|---|---|---|---|---|",
+    ]
     for res in results:
         vd = verdict(res, budgets)
         res["verdict"] = vd
-        ab = ("ahead at every budget" if not vd["ablation_behind"] and not vd["ablation_ties"] else "; ".join(
-            [f"behind {b}" for b in vd["ablation_behind"]] + [f"tied @ {t.split(' @ ')[1]}" for t in vd["ablation_ties"]]))
-        lines.append(f"| {res['request']} | {res['oracle']} | "
-                     f"{'met' if vd['reach98_within10'] else '**NOT met**'} "
-                     f"({res['strategies']['autofit'][10]['best_fraction_min']:.1%}) | "
-                     + ("met" if vd["ahead_everywhere"]
-                        else "**NOT met**: " + "; ".join(
-                            [f"behind {b}" for b in vd["behind"]] + [f"tied with {t}" for t in vd["ties"]]))
-                     + f" | {ab} |")
+        ab = (
+            "ahead at every budget"
+            if not vd["ablation_behind"] and not vd["ablation_ties"]
+            else "; ".join(
+                [f"behind {b}" for b in vd["ablation_behind"]]
+                + [f"tied @ {t.split(' @ ')[1]}" for t in vd["ablation_ties"]]
+            )
+        )
+        lines.append(
+            f"| {res['request']} | {res['oracle']} | "
+            f"{'met' if vd['reach98_within10'] else '**NOT met**'} "
+            f"({res['strategies']['autofit'][10]['best_fraction_min']:.1%}) | "
+            + (
+                "met"
+                if vd["ahead_everywhere"]
+                else "**NOT met**: "
+                + "; ".join([f"behind {b}" for b in vd["behind"]] + [f"tied with {t}" for t in vd["ties"]])
+            )
+            + f" | {ab} |"
+        )
     if doc.get("findings"):
         lines += ["", "## Findings (read from the figures below)", "", doc["findings"]]
     lines += ["", NOTES]
     for res in results:
-        lines += [f"## {res['request']} — {res['oracle']} oracle", "",
-                  f"{res['space']} plans, {res['fits']} fit; optimum {res['optimum']['tokens_per_sec']:,.0f} tokens/s: "
-                  f"{res['optimum']['plan']}. ({res['seconds']:.0f} s)", ""]
+        lines += [
+            f"## {res['request']} — {res['oracle']} oracle",
+            "",
+            f"{res['space']} plans, {res['fits']} fit; optimum {res['optimum']['tokens_per_sec']:,.0f} tokens/s: "
+            f"{res['optimum']['plan']}. ({res['seconds']:.0f} s)",
+            "",
+        ]
         if res.get("analytic_vs_oracle"):
             a = res["analytic_vs_oracle"]
-            lines += [f"The analytic screen against this oracle: same fit verdict on {a['fit_agreement']} of "
-                      f"{a['plans']} plans; its predicted best ({a['screen_best']}) is "
-                      f"{a['screen_best_fraction']:.1%} of the optimum.", ""]
+            lines += [
+                f"The analytic screen against this oracle: same fit verdict on {a['fit_agreement']} of "
+                f"{a['plans']} plans; its predicted best ({a['screen_best']}) is "
+                f"{a['screen_best_fraction']:.1%} of the optimum.",
+                "",
+            ]
         lines += table(res, budgets) + [""]
-        lines.append("Trials to reach 98% of the optimum (per seed; – = not within the largest budget): " + "; ".join(
-            f"{n}: {', '.join(str(x) if x else '–' for x in xs)}" for n, xs in res["reach98"].items()) + ".")
+        lines.append(
+            "Trials to reach 98% of the optimum (per seed; – = not within the largest budget): "
+            + "; ".join(f"{n}: {', '.join(str(x) if x else '–' for x in xs)}" for n, xs in res["reach98"].items())
+            + "."
+        )
         lines += ["", "DeepSpeed autotuner decisions: " + "; ".join(res["deepspeed_log"]) + "."]
         lines.append("")
     for note in doc.get("notes", []):
@@ -781,9 +874,12 @@ def write(doc: dict, out: str, render_doc: Callable[[dict], str] | None = None) 
 def merged(paths: list[str], findings: str | None, fix: Callable[[dict], dict] = lambda r: r) -> dict:
     """One document from the raw JSON of runs made in parts (``--merge``)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    doc = {**docs[0], "runs": [r for d in docs for r in d["runs"]],
-           "results": [fix(r) for d in docs for r in d["results"]],
-           "notes": [n for d in docs for n in d.get("notes", [])]}
+    doc = {
+        **docs[0],
+        "runs": [r for d in docs for r in d["runs"]],
+        "results": [fix(r) for d in docs for r in d["results"]],
+        "notes": [n for d in docs for n in d.get("notes", [])],
+    }
     if findings:
         doc["findings"] = Path(findings).read_text().strip()
     return doc
@@ -793,18 +889,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, budgets 5/10/20; prints only (unless --out)")
     ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--out", default=None, help="results markdown (default: results/<date>-search-efficiency.md, full runs)")
+    ap.add_argument(
+        "--out", default=None, help="results markdown (default: results/<date>-search-efficiency.md, full runs)"
+    )
     ap.add_argument("--build-oracle-only", action="store_true", help="fill the simulated oracle table and exit")
     ap.add_argument("--rebuild-oracle", action="store_true", help="recompute the simulated oracle table")
-    ap.add_argument("--reverse", action="store_true", help="with --build-oracle-only: work from the other end "
-                    "(a second process beside the first)")
-    ap.add_argument("--part", choices=("all", "analytic", "simulated"), default="all",
-                    help="only the analytic-oracle requests or only the simulated-oracle one")
+    ap.add_argument(
+        "--reverse",
+        action="store_true",
+        help="with --build-oracle-only: work from the other end (a second process beside the first)",
+    )
+    ap.add_argument(
+        "--part",
+        choices=("all", "analytic", "simulated"),
+        default="all",
+        help="only the analytic-oracle requests or only the simulated-oracle one",
+    )
     ap.add_argument("--model", default=None, help="only the requests of this model")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="write one report (--out) from the raw JSON of runs made with --part")
-    ap.add_argument("--findings", default=None, metavar="MD",
-                    help="with --merge: a reader's summary of these figures, printed under the summary table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="write one report (--out) from the raw JSON of runs made with --part",
+    )
+    ap.add_argument(
+        "--findings",
+        default=None,
+        metavar="MD",
+        help="with --merge: a reader's summary of these figures, printed under the summary table",
+    )
     args = ap.parse_args()
     if args.merge:
         doc = merged(args.merge, args.findings, _int_keys)
@@ -824,29 +938,41 @@ def main() -> None:
         print(s, flush=True)
 
     results, notes = [], []
-    for req in (REQUESTS if args.part in ("all", "analytic") else ()):
+    for req in REQUESTS if args.part in ("all", "analytic") else ():
         if args.model and req.model != args.model:
             continue
         oracle = analytic_oracle(req)
-        log(f"{req.label} [analytic oracle]: {len(oracle.entries)} plans, {oracle.n_fit} fit, optimum "
-            f"{oracle.optimum:,.0f} tok/s ({oracle.best.plan.summary()})")
+        log(
+            f"{req.label} [analytic oracle]: {len(oracle.entries)} plans, {oracle.n_fit} fit, optimum "
+            f"{oracle.optimum:,.0f} tok/s ({oracle.best.plan.summary()})"
+        )
         results.append(bench_request(oracle, seeds, budgets, log))
     if args.part in ("all", "simulated") and args.model in (None, SIM_REQUEST.model):
         table_ = read_table(oracle_path(SIM_REQUEST))
         n_plans = SIM_REQUEST.space().size()
         if len(table_) < n_plans:
-            notes.append(f"simulated oracle table {oracle_path(SIM_REQUEST).name} has {len(table_)} of {n_plans} "
-                         "plans; run --build-oracle-only first — simulated part skipped")
+            notes.append(
+                f"simulated oracle table {oracle_path(SIM_REQUEST).name} has {len(table_)} of {n_plans} "
+                "plans; run --build-oracle-only first — simulated part skipped"
+            )
             log(notes[-1])
         else:
             oracle = simulated_oracle(SIM_REQUEST)
-            log(f"{SIM_REQUEST.label} [simulated oracle, replayed]: {len(oracle.entries)} plans, {oracle.n_fit} fit, "
-                f"optimum {oracle.optimum:,.0f} tok/s ({oracle.best.plan.summary()})")
+            log(
+                f"{SIM_REQUEST.label} [simulated oracle, replayed]: {len(oracle.entries)} plans, {oracle.n_fit} fit, "
+                f"optimum {oracle.optimum:,.0f} tok/s ({oracle.best.plan.summary()})"
+            )
             results.append(bench_request(oracle, seeds, budgets, log))
     wall = time.perf_counter() - t_start
-    doc = {"versions": v, "machine": machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall,
-                                                          "autofit": v["autofit"], "load": os.getloadavg()}],
-           "seeds": seeds, "budgets": list(budgets), "results": results, "notes": notes}
+    doc = {
+        "versions": v,
+        "machine": machine(),
+        "runs": [{"argv": sys.argv[1:], "wall_s": wall, "autofit": v["autofit"], "load": os.getloadavg()}],
+        "seeds": seeds,
+        "budgets": list(budgets),
+        "results": results,
+        "notes": notes,
+    }
     print()
     print(render(doc))
     suffix = "" if args.part == "all" else f"-{args.part}"

@@ -20,16 +20,21 @@ T0 = time.perf_counter()
 import torch  # noqa: E402
 import transformers  # noqa: E402,F401
 
-from autofit.specs import Target  # noqa: E402
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache  # noqa: E402
 from autofit.plan import Plan  # noqa: E402
-from autofit.specs import Workload, parse_cluster, resolve_model  # noqa: E402
+from autofit.specs import (  # noqa: E402
+    Target,  # noqa: E402
+    Workload,
+    parse_cluster,
+    resolve_model,
+)
 
 IMPORT_S = time.perf_counter() - T0
 
 PLANS = {
-    "qlora": dict(method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention="flash2",
-                  fused_loss=True),
+    "qlora": dict(
+        method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention="flash2", fused_loss=True
+    ),
     "lora": dict(method="lora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention="sdpa"),
     "full": dict(precision="bf16-mixed", attention="sdpa", checkpointing="full"),
     "zero3": dict(precision="bf16-mixed", attention="flash2", checkpointing="full", sharding="zero3"),
@@ -58,8 +63,10 @@ def tracker_step(model_spec, plan, workload, which: str) -> float:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rt.to_fake(net, mode)
     opt = rt.make_optimizer(plan, net)
-    batches = [[{k: mode.from_tensor(v) for k, v in b.items()} for b in rt.batches_for(model_spec, plan, workload, step=s)]
-               for s in range(2)]
+    batches = [
+        [{k: mode.from_tensor(v) for k, v in b.items()} for b in rt.batches_for(model_spec, plan, workload, step=s)]
+        for s in range(2)
+    ]
     runner = rt.StepRunner(model_spec, plan, net, opt)
     with mode:
         runner.step(batches[0], step=0)  # untracked: optimizer states created, as a tracker finds them
@@ -86,8 +93,10 @@ def tracker_step(model_spec, plan, workload, which: str) -> float:
         peak = tracker.snapshot().peak
     else:
         peak = 0
-    print(f"  tracker {which:5s}: second step {dt:6.1f} s" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
-          flush=True)
+    print(
+        f"  tracker {which:5s}: second step {dt:6.1f} s" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
+        flush=True,
+    )
     return dt
 
 

@@ -24,11 +24,10 @@ import time
 from _errors import summary_table
 
 from autofit.evaluators.analytic import estimate
-from autofit.results import COMPONENTS
-from autofit.specs import Target
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
 from autofit.plan import Plan, plan_problems
-from autofit.specs import MODELS, Workload, parse_cluster
+from autofit.results import COMPONENTS
+from autofit.specs import MODELS, Target, Workload, parse_cluster
 
 MiB = 2**20
 PARTS = [c for c in COMPONENTS if c != "overhead"]
@@ -39,10 +38,23 @@ def plans_for(model) -> list[tuple[str, Plan]]:
     fa2 = "flash2" if "flash2" in model.family.attn_impls else attn
     out = [
         ("1x", Plan(precision="bf16-mixed", attention=attn, micro_batch=1)),
-        ("1x", Plan(precision="bf16-true", optimizer="adamw-8bit", checkpointing="full", attention=attn, micro_batch=2)),
+        (
+            "1x",
+            Plan(precision="bf16-true", optimizer="adamw-8bit", checkpointing="full", attention=attn, micro_batch=2),
+        ),
         ("1x", Plan(method="lora", lora_rank=16, precision="bf16-mixed", attention=attn, micro_batch=2)),
-        ("1x", Plan(method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention=fa2,
-                    fused_loss=True, micro_batch=2)),
+        (
+            "1x",
+            Plan(
+                method="qlora",
+                lora_rank=16,
+                precision="bf16-mixed",
+                checkpointing="full",
+                attention=fa2,
+                fused_loss=True,
+                micro_batch=2,
+            ),
+        ),
         ("1x", Plan(precision="bf16-true", optimizer="adafactor", attention="eager", micro_batch=1)),
         ("1x", Plan(precision="32-true", optimizer="sgd", attention=attn, micro_batch=1)),
         ("4x", Plan(precision="bf16-mixed", sharding="zero3", checkpointing="full", attention=fa2, micro_batch=1)),
@@ -58,7 +70,7 @@ def summarize(path: str) -> list[str]:
         if len(cells) < 5 + len(PARTS) or not cells[2].replace(",", "").isdigit():
             continue
         sim_peak = int(cells[2].replace(",", ""))
-        pairs = [c.replace("⚑", "").replace(",", "").split("/") for c in cells[5:5 + len(PARTS)]]
+        pairs = [c.replace("⚑", "").replace(",", "").split("/") for c in cells[5 : 5 + len(PARTS)]]
         sim = {c: float(p[0]) for c, p in zip(PARTS, pairs)}
         ana = {c: float(p[1]) for c, p in zip(PARTS, pairs)}
         cases.append((sim, ana, sim_peak, int(cells[3].replace(",", ""))))
@@ -91,7 +103,8 @@ def main() -> None:
         "MiB; `Δ` = (simulated − analytic) / analytic of the peak; components as simulated / analytic; "
         "⚑ = peak differs > 10%, or a component > 10% of itself and > 1% of the peak.",
         "",
-        "| model | plan | sim peak | ana peak | Δ peak | " + " | ".join(PARTS)
+        "| model | plan | sim peak | ana peak | Δ peak | "
+        + " | ".join(PARTS)
         + " | sim phase / ana phase | tokens/s sim / ana | trace s |",
         "|---|---|---:|---:|---:|" + "---|" * len(PARTS) + "---|---|---:|",
     ]
@@ -119,8 +132,9 @@ def main() -> None:
             sp, ap_ = sim.memory.peak_allocated, ana.memory.peak_allocated
             d = (sp - ap_) / ap_
             deltas.append(abs(d))
-            cases.append(({c: getattr(sim.memory, c) for c in PARTS}, {c: getattr(ana.memory, c) for c in PARTS},
-                          sp, ap_))
+            cases.append(
+                ({c: getattr(sim.memory, c) for c in PARTS}, {c: getattr(ana.memory, c) for c in PARTS}, sp, ap_)
+            )
             speed.append(sim.tokens_per_sec / ana.throughput.tokens_per_sec)
             flag = abs(d) > 0.10
             cells = []
@@ -130,18 +144,25 @@ def main() -> None:
                 flag |= bad
                 cells.append(f"{s / MiB:,.0f} / {a / MiB:,.0f}" + (" ⚑" if bad else ""))
             flagged += flag
-            lines.append(f"| {name} | {label} | {sp / MiB:,.0f} | {ap_ / MiB:,.0f} | {d * 100:+.1f}%"
-                         f"{' ⚑' if abs(d) > 0.10 else ''} | " + " | ".join(cells)
-                         + f" | {sim.extra['peak_phase']} / {ana.peak_phase} | "
-                         f"{sim.tokens_per_sec:,.0f} / {ana.throughput.tokens_per_sec:,.0f} | {dt:.1f} |")
+            lines.append(
+                f"| {name} | {label} | {sp / MiB:,.0f} | {ap_ / MiB:,.0f} | {d * 100:+.1f}%"
+                f"{' ⚑' if abs(d) > 0.10 else ''} | "
+                + " | ".join(cells)
+                + f" | {sim.extra['peak_phase']} / {ana.peak_phase} | "
+                f"{sim.tokens_per_sec:,.0f} / {ana.throughput.tokens_per_sec:,.0f} | {dt:.1f} |"
+            )
             print(lines[-1], file=sys.stderr, flush=True)
     deltas.sort()
     if deltas:
-        lines += ["", f"{len(deltas)} plans; |Δ peak| median {deltas[len(deltas) // 2] * 100:.1f}%, "
-                      f"worst {deltas[-1] * 100:.1f}%; {flagged} rows flagged."]
+        lines += [
+            "",
+            f"{len(deltas)} plans; |Δ peak| median {deltas[len(deltas) // 2] * 100:.1f}%, "
+            f"worst {deltas[-1] * 100:.1f}%; {flagged} rows flagged.",
+        ]
         speed.sort()
-        lines += [f"tokens/s simulated / analytic: median {speed[len(speed) // 2]:.2f}, "
-                  f"range {speed[0]:.2f}–{speed[-1]:.2f}."]
+        lines += [
+            f"tokens/s simulated / analytic: median {speed[len(speed) // 2]:.2f}, range {speed[0]:.2f}–{speed[-1]:.2f}."
+        ]
         lines += ["", *summary_table(cases, "analytic vs simulated")]
     text = "\n".join(lines)
     if args.out:

@@ -82,8 +82,10 @@ def main() -> None:
         comps.append(ce)
         wdesc = f"L{layers} seq {seq}" + (" padded" if lengths else "")
         worst = f"{cn} ({ce * 100:.3f}%)" if cn else "exact"
-        lines.append(f"| {family} | {plan.summary()} | {wdesc} | {real.peak / MiB:.2f} | {tr.peak / MiB:.2f} | "
-                     f"{pe * 100:+.3f}% | {worst} | {t1 - t0:.1f} / {t2 - t1:.1f} |")
+        lines.append(
+            f"| {family} | {plan.summary()} | {wdesc} | {real.peak / MiB:.2f} | {tr.peak / MiB:.2f} | "
+            f"{pe * 100:+.3f}% | {worst} | {t1 - t0:.1f} / {t2 - t1:.1f} |"
+        )
         print(lines[-1], flush=True)
     peaks.sort()
     comps.sort()

@@ -88,15 +88,25 @@ def one_search(i: int, parallel: int = 1) -> dict:
     for t in trials:
         by_eval[t.evaluator] = by_eval.get(t.evaluator, 0.0) + t.duration_s
     out = {
-        "parallel": parallel, "wall_s": wall, "cpu_s": cpu, "backend": rec.evaluator, "trials": len(trials), "statuses": statuses,
-        "eval_s": by_eval, "n_sim": sum(1 for t in trials if t.evaluator == "simulated"),
-        "best": best.plan.summary() if best else None, "best_tps": best.tokens_per_sec if best else 0.0,
+        "parallel": parallel,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "backend": rec.evaluator,
+        "trials": len(trials),
+        "statuses": statuses,
+        "eval_s": by_eval,
+        "n_sim": sum(1 for t in trials if t.evaluator == "simulated"),
+        "best": best.plan.summary() if best else None,
+        "best_tps": best.tokens_per_sec if best else 0.0,
         "report": (work / "autofit-out" / "report.html").exists(),
     }
     shutil.rmtree(work, ignore_errors=True)
-    print(f"  run {i + 1} (--parallel {parallel}): {wall:.1f} s wall, {cpu:.1f} s CPU, backend {out['backend']}, {out['trials']} trials {statuses}, "
-          f"evaluator time {', '.join(f'{k} {v:.1f} s' for k, v in by_eval.items())}; best {out['best']} "
-          f"({out['best_tps']:,.0f} tokens/s)", flush=True)
+    print(
+        f"  run {i + 1} (--parallel {parallel}): {wall:.1f} s wall, {cpu:.1f} s CPU, backend {out['backend']}, {out['trials']} trials {statuses}, "
+        f"evaluator time {', '.join(f'{k} {v:.1f} s' for k, v in by_eval.items())}; best {out['best']} "
+        f"({out['best_tps']:,.0f} tokens/s)",
+        flush=True,
+    )
     return out
 
 
@@ -148,8 +158,11 @@ def main() -> None:
     ap.add_argument("--parallel", default="1", help="comma-separated --parallel settings to time (e.g. 1,2)")
     ap.add_argument("--analytic-n", type=int, default=None, help="analytic plans to score (default 20,000)")
     ap.add_argument("--sim-plans", default=None, help="simulated_speed.PLANS names (default full,qlora,zero3)")
-    ap.add_argument("--out", default=None, help="results file (default: benchmarks/results/DATE-time-to-answer.md; "
-                                               "--quick writes nothing unless given)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results file (default: benchmarks/results/DATE-time-to-answer.md; --quick writes nothing unless given)",
+    )
     args = ap.parse_args()
     runs = args.runs or (1 if args.quick else 3)
     n_analytic = args.analytic_n or (2000 if args.quick else 20000)
@@ -172,8 +185,11 @@ def main() -> None:
     walls = [s["wall_s"] for s in searches if s["parallel"] == 1] or [s["wall_s"] for s in searches]
     worst, med = max(walls), statistics.median(walls)
     met = worst <= GOAL_S
-    verdict = (f"**met**: {worst:.1f} s at worst" if met else
-               f"**NOT met**: {worst:.1f} s at worst (median {med:.1f} s), {worst - GOAL_S:.1f} s over")
+    verdict = (
+        f"**met**: {worst:.1f} s at worst"
+        if met
+        else f"**NOT met**: {worst:.1f} s at worst (median {med:.1f} s), {worst - GOAL_S:.1f} s over"
+    )
     today = datetime.date.today().isoformat()
     cmd = "python benchmarks/time_to_answer.py " + " ".join(sys.argv[1:])
     lines = [
@@ -190,8 +206,12 @@ def main() -> None:
         "",
         f"Goal: at most {GOAL_S:.0f} s on 2 cores — {verdict}. CPU is the search process's user+sys time "
         "(its own and its children's), less sensitive to the other sessions' load than wall time.",
-        *[f"With `--parallel {k}`: median {statistics.median(w):.1f} s, worst {max(w):.1f} s."
-          for k in settings if k > 1 for w in [[x["wall_s"] for x in searches if x["parallel"] == k]]],
+        *[
+            f"With `--parallel {k}`: median {statistics.median(w):.1f} s, worst {max(w):.1f} s."
+            for k in settings
+            if k > 1
+            for w in [[x["wall_s"] for x in searches if x["parallel"] == k]]
+        ],
         "",
         "| run | option | wall | CPU (user+sys) | backend | trials (statuses) | evaluator time stored | best plan | tokens/s "
         "| report |",
@@ -201,8 +221,10 @@ def main() -> None:
         st = ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items()))
         ev = ", ".join(f"{k} {v:.1f} s" for k, v in s["eval_s"].items())
         opt = f"--parallel {s['parallel']}" if s["parallel"] > 1 else "as typed"
-        lines.append(f"| {i + 1} | {opt} | {s['wall_s']:.1f} s | {s['cpu_s']:.1f} s | {s['backend']} | {s['trials']} ({st}) | {ev} | {s['best']} "
-                     f"| {s['best_tps']:,.0f} | {'written' if s['report'] else 'missing'} |")
+        lines.append(
+            f"| {i + 1} | {opt} | {s['wall_s']:.1f} s | {s['cpu_s']:.1f} s | {s['backend']} | {s['trials']} ({st}) | {ev} | {s['best']} "
+            f"| {s['best_tps']:,.0f} | {'written' if s['report'] else 'missing'} |"
+        )
     lines += [
         "",
         "Evaluator speed, same run, this process (mistral-7b on 2xA10, seq 2048, global batch 16):",

@@ -49,6 +49,8 @@ def prior_request(req: se.Request, prior: str) -> se.Request:
     if prior == "seq 1024":
         return se.Request(req.model, req.gpus, seq_len=1024, global_batch=req.global_batch, allowed=req.allowed)
     return se.Request(req.model, req.gpus, seq_len=req.seq_len, global_batch=2 * req.global_batch, allowed=req.allowed)
+
+
 PRIOR_TRIALS = 10
 
 
@@ -60,8 +62,16 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int, prior: str = PRIORS[0]) 
     for warm in (True, False):
         with se.temp_store() as store:
             prior = search.run_search(
-                search.SearchRequest(ctx=prior_req.ctx(), allowed=prior_req.allowed, evaluator="analytic",
-                                     trials=PRIOR_TRIALS, seed=1000 + seed), store, fresh=True)
+                search.SearchRequest(
+                    ctx=prior_req.ctx(),
+                    allowed=prior_req.allowed,
+                    evaluator="analytic",
+                    trials=PRIOR_TRIALS,
+                    seed=1000 + seed,
+                ),
+                store,
+                fresh=True,
+            )
             enq: list[int] = []
             if warm:
                 sreq = search.SearchRequest(ctx=req.ctx(), allowed=req.allowed, trials=budget)
@@ -69,8 +79,14 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int, prior: str = PRIORS[0]) 
                 enq.append(len(search.warm_start(sreq, store, space)))
             run = se.autofit_run(oracle, budget, seed, store=store, warm=warm)
             best = max((r.tokens_per_sec for r in run.results if r is not None and r.fits), default=0.0)
-            first_best = next((i for i, r in enumerate(run.results, 1)
-                               if r is not None and r.fits and r.tokens_per_sec >= best - 1e-9), None)
+            first_best = next(
+                (
+                    i
+                    for i, r in enumerate(run.results, 1)
+                    if r is not None and r.fits and r.tokens_per_sec >= best - 1e-9
+                ),
+                None,
+            )
             out["warm" if warm else "cold"] = {
                 "trials_to_best": first_best,
                 "trials_to_98": run.first_reaching(oracle, se.GOAL_FRACTION),
@@ -78,7 +94,9 @@ def run_pair(oracle: se.Oracle, budget: int, seed: int, prior: str = PRIORS[0]) 
                 "first_fraction": oracle.fraction(run.results[0]) if run.results else 0.0,
                 "first_status": run.results[0].status.value if run.results else None,
                 "first_plan": run.results[0].plan.summary() if run.results else None,
-                "oom": run.oom(), "pruned": run.count(se.PRUNED), "duplicates": run.count(se.DUPLICATE),
+                "oom": run.oom(),
+                "pruned": run.count(se.PRUNED),
+                "duplicates": run.count(se.DUPLICATE),
                 "warm_plans": enq[0] if enq else 0,
                 "prior_best": prior.best.plan.summary() if prior.best else None,
             }
@@ -96,41 +114,47 @@ def render(doc: dict) -> str:
     budget = doc["budget"]
     lines = se.header(doc, "Warm start", "warm_start.py")
     lines += [
-              f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
-              f"on another workload — sequence length 1024 instead of 2048, or twice the global batch at the same "
-              f"sequence length (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
-              "same temporary SQLite store as the target study. *warm*: `run_search(warm=True)` (the default); "
-              "*cold*: `warm=False`; everything else equal (screen, sampler seed, budget). Trial numbers are 1-based; "
-              f"medians over seeds, per-seed values in brackets; '>{budget}' / '–' = not reached within the budget.",
-              "",
-              "| request | prior workload | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
-              "best reached warm | cold | trial 1 warm | cold | OOM warm | cold |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
+        f"on another workload — sequence length 1024 instead of 2048, or twice the global batch at the same "
+        f"sequence length (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
+        "same temporary SQLite store as the target study. *warm*: `run_search(warm=True)` (the default); "
+        "*cold*: `warm=False`; everything else equal (screen, sampler seed, budget). Trial numbers are 1-based; "
+        f"medians over seeds, per-seed values in brackets; '>{budget}' / '–' = not reached within the budget.",
+        "",
+        "| request | prior workload | oracle | warm plans enqueued | trials-to-best warm | cold | trials-to-98% warm | cold | "
+        "best reached warm | cold | trial 1 warm | cold | OOM warm | cold |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for res in doc["results"]:
         p = res["pairs"]
 
-        def col(k: str, f: str) -> str:
+        def col(k: str, f: str, p=p) -> str:
             xs = [q[k][f] for q in p]
             return f"{med(xs, budget)} [{', '.join(str(x) if x else '–' for x in xs)}]"
 
-        def frac(k: str, f: str) -> str:
+        def frac(k: str, f: str, p=p) -> str:
             return f"{statistics.median([q[k][f] for q in p]):.1%}"
 
-        def num(k: str, f: str) -> str:
+        def num(k: str, f: str, p=p) -> str:
             return f"{statistics.median([q[k][f] for q in p]):g}"
 
-        lines.append(f"| {res['request']} | {res['prior']} | {res['oracle']} | {num('warm', 'warm_plans')} | "
-                     f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
-                     f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
-                     f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
-                     f"{frac('warm', 'first_fraction')} | {frac('cold', 'first_fraction')} | "
-                     f"{num('warm', 'oom')} | {num('cold', 'oom')} |")
+        lines.append(
+            f"| {res['request']} | {res['prior']} | {res['oracle']} | {num('warm', 'warm_plans')} | "
+            f"{col('warm', 'trials_to_best')} | {col('cold', 'trials_to_best')} | "
+            f"{col('warm', 'trials_to_98')} | {col('cold', 'trials_to_98')} | "
+            f"{frac('warm', 'best_fraction')} | {frac('cold', 'best_fraction')} | "
+            f"{frac('warm', 'first_fraction')} | {frac('cold', 'first_fraction')} | "
+            f"{num('warm', 'oom')} | {num('cold', 'oom')} |"
+        )
     lines += ["", "Past winners mapped into the target space (prior best → first warm trial's result), seed 0:", ""]
     for res in doc["results"]:
         w = res["pairs"][0]["warm"]
-        lines.append(f"- {res['request']} [{res['oracle']}, prior {res['prior']}]: prior best {w['prior_best']}; the warm plan at the target "
-                     f"workload reached {w['first_fraction']:.1%} of the optimum"
-                     + (f" ({w['first_status']})" if w.get("first_status") else "") + ".")
+        lines.append(
+            f"- {res['request']} [{res['oracle']}, prior {res['prior']}]: prior best {w['prior_best']}; the warm plan at the target "
+            f"workload reached {w['first_fraction']:.1%} of the optimum"
+            + (f" ({w['first_status']})" if w.get("first_status") else "")
+            + "."
+        )
     if doc.get("findings"):
         lines += ["", "## Findings (read from the figures below)", "", doc["findings"]]
     lines += ["", NOTES]
@@ -168,10 +192,19 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--part", choices=("all", "analytic", "simulated"), default="all")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="write one report (--out) from the raw JSON of runs made with --part")
-    ap.add_argument("--findings", default=None, metavar="MD",
-                    help="with --merge: a reader's summary of these figures, printed under the summary table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="write one report (--out) from the raw JSON of runs made with --part",
+    )
+    ap.add_argument(
+        "--findings",
+        default=None,
+        metavar="MD",
+        help="with --merge: a reader's summary of these figures, printed under the summary table",
+    )
     args = ap.parse_args()
     if args.merge:
         doc = se.merged(args.merge, args.findings)
@@ -196,16 +229,33 @@ def main() -> None:
         t = time.perf_counter()
         for prior in PRIORS:
             pairs = [run_pair(oracle, budget, s, prior) for s in seeds]
-            res = {"request": oracle.request.label, "prior": prior, "oracle": oracle.kind, "pairs": pairs,
-                   "seconds": time.perf_counter() - t}
+            res = {
+                "request": oracle.request.label,
+                "prior": prior,
+                "oracle": oracle.kind,
+                "pairs": pairs,
+                "seconds": time.perf_counter() - t,
+            }
             results.append(res)
-            print(f"{oracle.request.label} [{oracle.kind}, prior {prior}]: " + "; ".join(
-                f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
-                f"{med([p[k]['trials_to_98'] for p in pairs], budget)}" for k in ("warm", "cold")), flush=True)
+            print(
+                f"{oracle.request.label} [{oracle.kind}, prior {prior}]: "
+                + "; ".join(
+                    f"{k}: to-best {med([p[k]['trials_to_best'] for p in pairs], budget)}, to-98% "
+                    f"{med([p[k]['trials_to_98'] for p in pairs], budget)}"
+                    for k in ("warm", "cold")
+                ),
+                flush=True,
+            )
     wall = time.perf_counter() - t0
-    doc = {"versions": v, "machine": se.machine(), "runs": [{"argv": sys.argv[1:], "wall_s": wall,
-                                                             "autofit": v["autofit"], "load": os.getloadavg()}],
-           "seeds": seeds, "budget": budget, "results": results, "notes": notes}
+    doc = {
+        "versions": v,
+        "machine": se.machine(),
+        "runs": [{"argv": sys.argv[1:], "wall_s": wall, "autofit": v["autofit"], "load": os.getloadavg()}],
+        "seeds": seeds,
+        "budget": budget,
+        "results": results,
+        "notes": notes,
+    }
     print()
     print(render(doc))
     suffix = "" if args.part == "all" else f"-{args.part}"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from autofit.search.request import build_context
 from autofit.search.loop import SearchOutcome, SearchRequest, run_search
+from autofit.search.request import build_context
 from autofit.search.space import Allowed
 
 
@@ -32,7 +32,7 @@ class Study:
     def name(self) -> str:
         return self.outcome.study.name
 
-    def copy(self, dest: Path) -> "Study":
+    def copy(self, dest: Path) -> Study:
         """The same study in a file of its own (to record more evaluations into)."""
         shutil.copy(self.path, dest)
         return Study(dest, self.request, self.outcome)

@@ -18,8 +18,9 @@ MAX_FUNCTION_LINES = 80
 
 def _lint_imports(cwd: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": cwd}
-    return subprocess.run([os.path.join(BIN, "lint-imports"), "--no-cache"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [os.path.join(BIN, "lint-imports"), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_no_module_imports_a_layer_above_it():
@@ -75,6 +76,7 @@ def test_no_function_is_longer_than_a_screen():
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff_passes(command):
-    r = subprocess.run([os.path.join(BIN, "ruff"), *command, "."], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [os.path.join(BIN, "ruff"), *command, "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr

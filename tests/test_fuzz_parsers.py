@@ -5,18 +5,20 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autofit.specs.units import parse_duration, parse_size
 from autofit.errors import AutofitError
 from autofit.plan import Plan
-from autofit.specs import parse_cluster
 from autofit.search.studies import load_study_file
+from autofit.specs import parse_cluster
+from autofit.specs.units import parse_duration, parse_size
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 gpu_words = st.sampled_from(["A10", "a100-80gb", "H100", "rtx4090", "T4", "cpu", "A10x3", "x", "", "-", "80GB"])
 cluster_text = st.one_of(
     st.text(alphabet=string.printable, max_size=20),
-    st.builds(lambda n, sep, g: f"{n}{sep}{g}", st.integers(-3, 20), st.sampled_from(["x", "X", "*", " x ", ""]), gpu_words),
+    st.builds(
+        lambda n, sep, g: f"{n}{sep}{g}", st.integers(-3, 20), st.sampled_from(["x", "X", "*", " x ", ""]), gpu_words
+    ),
 )
 
 
@@ -30,12 +32,45 @@ def test_cluster_parser(text):
     assert c.world_size >= 1 and c.gpu.memory_bytes > 0
 
 
-plan_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 70), st.text(max_size=12),
-                        st.sampled_from(["full", "lora", "qlora", "bf16-mixed", "zero3", "flash2", "adamw-8bit",
-                                         "optimizer+params", "nvme", "all-linear"]))
-plan_keys = st.sampled_from(["method", "lora_rank", "lora_targets", "precision", "optimizer", "micro_batch",
-                             "grad_accum", "checkpointing", "attention", "sharding", "offload", "offload_device",
-                             "packing", "fused_loss", "bogus"])
+plan_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 70),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "full",
+            "lora",
+            "qlora",
+            "bf16-mixed",
+            "zero3",
+            "flash2",
+            "adamw-8bit",
+            "optimizer+params",
+            "nvme",
+            "all-linear",
+        ]
+    ),
+)
+plan_keys = st.sampled_from(
+    [
+        "method",
+        "lora_rank",
+        "lora_targets",
+        "precision",
+        "optimizer",
+        "micro_batch",
+        "grad_accum",
+        "checkpointing",
+        "attention",
+        "sharding",
+        "offload",
+        "offload_device",
+        "packing",
+        "fused_loss",
+        "bogus",
+    ]
+)
 
 
 @FUZZ
@@ -93,12 +128,32 @@ def test_duration_parser_returns_a_positive_finite_time(value):
     assert seconds > 0 and math.isfinite(seconds)
 
 
-config_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.integers(), st.floats(),
-                          st.text(max_size=6), st.lists(st.integers(1, 64), max_size=2),
-                          st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
-config_keys = st.sampled_from(["model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
-                               "max_position_embeddings", "tie_word_embeddings", "n_embd", "n_head"])
+config_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 5000),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=6),
+    st.lists(st.integers(1, 64), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=1),
+)
+config_keys = st.sampled_from(
+    [
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "n_embd",
+        "n_head",
+    ]
+)
 
 
 @FUZZ
@@ -106,8 +161,16 @@ config_keys = st.sampled_from(["model_type", "hidden_size", "num_hidden_layers",
 def test_model_config_reader(model_type, overrides):
     from autofit.specs import ModelSpec
 
-    base = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    base = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+    }
     try:
         spec = ModelSpec.from_hf_config({**base, **overrides}, source="config.json")
     except AutofitError as exc:

@@ -14,8 +14,9 @@ def optuna_study(study):
         rec = store.get_study(study.name)
         rows = store.trials(rec.id)
     loaded = optuna.load_study(study_name=rec.optuna_study_name, storage=study.url)
-    assert {t.number: t.user_attrs["plan_id"] for t in loaded.trials if t.number in {r.number for r in rows}} == \
-        {r.number: r.plan_id for r in rows}
+    assert {t.number: t.user_attrs["plan_id"] for t in loaded.trials if t.number in {r.number for r in rows}} == {
+        r.number: r.plan_id for r in rows
+    }
     return loaded, {r.number: r.tokens_per_sec for r in rows}
 
 

@@ -26,7 +26,9 @@ def test_unknown_keys_are_rejected():
 def test_validation_collects_every_problem_with_its_fix():
     problems = plan_problems(
         Plan(precision="bf16-mixed", attention="flash2", offload="optimizer", micro_batch=3, grad_accum=1),
-        MODELS["llama-3-8b"], parse_cluster("1xV100-16GB"), Workload(seq_len=512, global_batch=8),
+        MODELS["llama-3-8b"],
+        parse_cluster("1xV100-16GB"),
+        Workload(seq_len=512, global_batch=8),
     )
     text = " | ".join(problems)
     assert "use fp16-mixed" in text
@@ -36,19 +38,24 @@ def test_validation_collects_every_problem_with_its_fix():
     assert len(problems) == 4
 
 
-@pytest.mark.parametrize("plan,fragment", [
-    (Plan(method="lora"), "needs a LoRA rank"),
-    (Plan(lora_rank=8), "applies only to method lora"),
-    (Plan(method="qlora", lora_rank=8, precision="32-true"), "qlora computes in 16-bit"),
-    (Plan(packing=True), "packing needs flash2"),
-    (Plan(sharding="zero2", offload="optimizer+params"), "needs zero3 or fsdp"),
-    (Plan(sharding="fsdp", offload="optimizer"), "use offload optimizer+params"),
-    (Plan(sharding="zero2", offload="optimizer", offload_device="nvme"), "needs zero3"),
-    (Plan(sharding="zero3", optimizer="adamw-8bit"), "does not step on ZeRO-3"),
-    (Plan(sharding="zero3", offload="optimizer", optimizer="adafactor"), "Adam-family"),
-])
+@pytest.mark.parametrize(
+    "plan,fragment",
+    [
+        (Plan(method="lora"), "needs a LoRA rank"),
+        (Plan(lora_rank=8), "applies only to method lora"),
+        (Plan(method="qlora", lora_rank=8, precision="32-true"), "qlora computes in 16-bit"),
+        (Plan(packing=True), "packing needs flash2"),
+        (Plan(sharding="zero2", offload="optimizer+params"), "needs zero3 or fsdp"),
+        (Plan(sharding="fsdp", offload="optimizer"), "use offload optimizer+params"),
+        (Plan(sharding="zero2", offload="optimizer", offload_device="nvme"), "needs zero3"),
+        (Plan(sharding="zero3", optimizer="adamw-8bit"), "does not step on ZeRO-3"),
+        (Plan(sharding="zero3", offload="optimizer", optimizer="adafactor"), "Adam-family"),
+    ],
+)
 def test_incompatible_combinations_name_the_fix(plan, fragment):
-    problems = plan_problems(plan, MODELS["mistral-7b"], parse_cluster("2xA100-80GB"), Workload(seq_len=512, global_batch=2))
+    problems = plan_problems(
+        plan, MODELS["mistral-7b"], parse_cluster("2xA100-80GB"), Workload(seq_len=512, global_batch=2)
+    )
     assert any(fragment in p for p in problems), problems
 
 

@@ -10,27 +10,35 @@ F32, BF16, F16 = "float32", "bfloat16", "float16"
 
 
 # (precision, sharding, method) -> base, adapter, autocast, compute, trainable, master, moments
-@pytest.mark.parametrize("precision,sharding,method,expected", [
-    ("32-true", "none", "full", (F32, F32, None, F32, F32, None, F32)),
-    ("32-true", "zero2", "lora", (F32, F32, None, F32, F32, None, F32)),
-    ("bf16-true", "none", "full", (BF16, BF16, None, BF16, BF16, None, BF16)),  # bf16 moments too
-    ("bf16-true", "fsdp", "lora", (BF16, BF16, None, BF16, BF16, None, BF16)),
-    ("bf16-true", "zero2", "full", (BF16, BF16, None, BF16, BF16, F32, F32)),  # DeepSpeed: fp32 master + states
-    # plain torch: fp32 weights under autocast; LoRA/QLoRA: 16-bit base, fp32 adapters
-    ("bf16-mixed", "none", "full", (F32, F32, BF16, BF16, F32, None, F32)),
-    ("fp16-mixed", "none", "full", (F32, F32, F16, F16, F32, None, F32)),
-    ("bf16-mixed", "none", "lora", (BF16, F32, BF16, BF16, F32, None, F32)),
-    ("fp16-mixed", "none", "qlora", (F16, F32, F16, F16, F32, None, F32)),
-    # DeepSpeed casts the module to 16-bit and keeps an fp32 master copy
-    ("bf16-mixed", "zero2", "full", (BF16, BF16, None, BF16, BF16, F32, F32)),
-    ("fp16-mixed", "zero3", "lora", (F16, F16, None, F16, F16, F32, F32)),
-    # FSDP2 computes on 16-bit gathers of fp32 shards
-    ("bf16-mixed", "fsdp", "full", (BF16, BF16, None, BF16, F32, None, F32)),
-    ("bf16-mixed", "fsdp", "qlora", (BF16, BF16, None, BF16, F32, None, F32)),
-])
+@pytest.mark.parametrize(
+    "precision,sharding,method,expected",
+    [
+        ("32-true", "none", "full", (F32, F32, None, F32, F32, None, F32)),
+        ("32-true", "zero2", "lora", (F32, F32, None, F32, F32, None, F32)),
+        ("bf16-true", "none", "full", (BF16, BF16, None, BF16, BF16, None, BF16)),  # bf16 moments too
+        ("bf16-true", "fsdp", "lora", (BF16, BF16, None, BF16, BF16, None, BF16)),
+        ("bf16-true", "zero2", "full", (BF16, BF16, None, BF16, BF16, F32, F32)),  # DeepSpeed: fp32 master + states
+        # plain torch: fp32 weights under autocast; LoRA/QLoRA: 16-bit base, fp32 adapters
+        ("bf16-mixed", "none", "full", (F32, F32, BF16, BF16, F32, None, F32)),
+        ("fp16-mixed", "none", "full", (F32, F32, F16, F16, F32, None, F32)),
+        ("bf16-mixed", "none", "lora", (BF16, F32, BF16, BF16, F32, None, F32)),
+        ("fp16-mixed", "none", "qlora", (F16, F32, F16, F16, F32, None, F32)),
+        # DeepSpeed casts the module to 16-bit and keeps an fp32 master copy
+        ("bf16-mixed", "zero2", "full", (BF16, BF16, None, BF16, BF16, F32, F32)),
+        ("fp16-mixed", "zero3", "lora", (F16, F16, None, F16, F16, F32, F32)),
+        # FSDP2 computes on 16-bit gathers of fp32 shards
+        ("bf16-mixed", "fsdp", "full", (BF16, BF16, None, BF16, F32, None, F32)),
+        ("bf16-mixed", "fsdp", "qlora", (BF16, BF16, None, BF16, F32, None, F32)),
+    ],
+)
 def test_dtype_layout(precision, sharding, method, expected):
-    plan = Plan(method=method, precision=precision, sharding=sharding,
-                lora_rank=None if method == "full" else 8, offload="optimizer" if sharding == "fsdp" else "none")
+    plan = Plan(
+        method=method,
+        precision=precision,
+        sharding=sharding,
+        lora_rank=None if method == "full" else 8,
+        offload="optimizer" if sharding == "fsdp" else "none",
+    )
     lay = dtype_layout(plan)
     assert (lay.base, lay.adapter, lay.autocast, lay.compute, lay.trainable, lay.master, lay.moments) == expected
     assert lay.grads == lay.trainable

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from autofit.report import console
 from autofit.cli.options import handle_errors, json_option
+from autofit.report import console
 from autofit.specs import GPUS, MODELS
 
 

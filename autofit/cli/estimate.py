@@ -6,7 +6,6 @@ import sys
 
 import click
 
-from autofit.report import console
 from autofit.cli.options import (
     db_option,
     evaluator_options,
@@ -17,28 +16,69 @@ from autofit.cli.options import (
     target_options,
 )
 from autofit.evaluators import evaluate
+from autofit.report import console
 from autofit.search.request import build_context, build_plan
 
 
 @click.command()
 @target_options
 @plan_options
-@click.option("--evaluator", "--backend", "evaluator", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto", show_default=True)
+@click.option(
+    "--evaluator",
+    "--backend",
+    "evaluator",
+    type=click.Choice(["auto", "analytic", "simulated", "measured"]),
+    default="auto",
+    show_default=True,
+)
 @measured_options
-@click.option("--calibration/--no-calibration", "calibrate", default=True, show_default=True,
-              help="Correct the estimate by what was measured on this GPU type (from the database).")
+@click.option(
+    "--calibration/--no-calibration",
+    "calibrate",
+    default=True,
+    show_default=True,
+    help="Correct the estimate by what was measured on this GPU type (from the database).",
+)
 @db_option
 @json_option
 @handle_errors
-def estimate(model, gpus, nodes, host_mem, seq_len, global_batch, lengths_path, headroom, evaluator, as_json,
-             cpu_mem_budget, steps, warmup_steps, trial_timeout, work_dir, calibrate, db_url, **plan_opts):
+def estimate(
+    model,
+    gpus,
+    nodes,
+    host_mem,
+    seq_len,
+    global_batch,
+    lengths_path,
+    headroom,
+    evaluator,
+    as_json,
+    cpu_mem_budget,
+    steps,
+    warmup_steps,
+    trial_timeout,
+    work_dir,
+    calibrate,
+    db_url,
+    **plan_opts,
+):
     """Estimate the per-GPU memory anatomy and tokens/s of one training plan."""
-    ctx = build_context(model, gpus, nodes=nodes, host_mem=host_mem, seq_len=seq_len, global_batch=global_batch,
-                        lengths_path=lengths_path, headroom=headroom, plan_opts=plan_opts,
-                        cpu_mem_budget=cpu_mem_budget)
+    ctx = build_context(
+        model,
+        gpus,
+        nodes=nodes,
+        host_mem=host_mem,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        lengths_path=lengths_path,
+        headroom=headroom,
+        plan_opts=plan_opts,
+        cpu_mem_budget=cpu_mem_budget,
+    )
     plan = build_plan(ctx, **plan_opts)
-    measured = evaluator_options(dict(steps=steps, warmup_steps=warmup_steps, trial_timeout=trial_timeout,
-                                      work_dir=work_dir))
+    measured = evaluator_options(
+        dict(steps=steps, warmup_steps=warmup_steps, trial_timeout=trial_timeout, work_dir=work_dir)
+    )
     result = evaluate(plan, ctx, evaluator, **measured)
     if calibrate and result.evaluator != "measured":
         from autofit.search.calibration import for_context

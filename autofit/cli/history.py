@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
+from autofit.report import console
 
 
 @click.command()
@@ -44,8 +44,11 @@ def show(study, db_url, as_json):
     trials = store.trials(rec.id)
     standing = standing_of([t.result() for t in trials], rec.context())
     if as_json:
-        click.echo(console.dumps({"study": rec.as_dict(), "trials": [t.as_dict() for t in trials],
-                                 "standing": standing.as_dict()}))
+        click.echo(
+            console.dumps(
+                {"study": rec.as_dict(), "trials": [t.as_dict() for t in trials], "standing": standing.as_dict()}
+            )
+        )
         return
     term = console.terminal()
     term.print(console.study_header(rec))
@@ -74,23 +77,31 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
     store = Store(db_url)
     rec = store.best_trial(spec.fingerprint, cluster.label, seq_len=seq_len, global_batch=global_batch)
     if rec is None:
-        click.echo(f"no stored plan fits {spec.name} on {cluster.label}"
-                   + (f" at seq {seq_len}" if seq_len else "") + "; run `autofit search` first", err=True)
+        click.echo(
+            f"no stored plan fits {spec.name} on {cluster.label}"
+            + (f" at seq {seq_len}" if seq_len else "")
+            + "; run `autofit search` first",
+            err=True,
+        )
         sys.exit(1)
     result = store.trial_result(rec)
     if as_json:
         click.echo(console.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
         return
     term = console.terminal()
-    term.print(f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
-                  f"({result.evaluator}, study {rec.study_id}, trial {rec.number})")
+    term.print(
+        f"[bold]{result.plan.summary()}[/bold]  {result.tokens_per_sec:,.0f} tokens/s "
+        f"({result.evaluator}, study {rec.study_id}, trial {rec.number})"
+    )
     term.print(console.anatomy_table(result))
 
 
 @click.command(name="export")
 @click.argument("study")
 @click.option("--trial", "trial_number", type=int, default=None, help="Trial number (default: the study's winner).")
-@click.option("--out", required=True, help="Directory to write ds_config.json, accelerate_config.yaml, trainer_args.json.")
+@click.option(
+    "--out", required=True, help="Directory to write ds_config.json, accelerate_config.yaml, trainer_args.json."
+)
 @db_option
 @json_option
 @handle_errors

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -21,6 +22,7 @@ from autofit.plan import (
     Sharding,
 )
 from autofit.specs.units import parse_duration, parse_size  # noqa: F401 - the CLI's parsers
+
 
 def handle_errors(fn: Callable) -> Callable:
     """Turn autofit's errors into one clear line and a non-zero exit, never a traceback."""
@@ -55,14 +57,47 @@ def target_options(fn: Callable | None = None, *, required: bool = True) -> Call
     if fn is None:
         return lambda f: target_options(f, required=required)
     decorators = [
-        click.option("--model", "-m", required=required, help="Registered name (`autofit models`), a config.json or directory, or a hub id."),
-        click.option("--gpus", "-g", required=required, help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`)."),
+        click.option(
+            "--model",
+            "-m",
+            required=required,
+            help="Registered name (`autofit models`), a config.json or directory, or a hub id.",
+        ),
+        click.option(
+            "--gpus",
+            "-g",
+            required=required,
+            help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`).",
+        ),
         click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of nodes."),
-        click.option("--host-mem", default=None, help="Host memory per node for offload, e.g. 256GiB (default: twice the node's GPU memory)."),
-        click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length in tokens."),
-        click.option("--global-batch", type=click.IntRange(min=1), default=None, help="Sequences per optimizer step (default: micro-batch × grad-accum × GPUs)."),
-        click.option("--lengths", "lengths_path", type=click.Path(dir_okay=False), default=None, help="Dataset lengths: a .jsonl with text/num_tokens, or a .json histogram."),
-        click.option("--headroom", type=click.FloatRange(0.0, 0.9), default=0.05, show_default=True, help="Fraction of GPU memory kept free."),
+        click.option(
+            "--host-mem",
+            default=None,
+            help="Host memory per node for offload, e.g. 256GiB (default: twice the node's GPU memory).",
+        ),
+        click.option(
+            "--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length in tokens."
+        ),
+        click.option(
+            "--global-batch",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Sequences per optimizer step (default: micro-batch × grad-accum × GPUs).",
+        ),
+        click.option(
+            "--lengths",
+            "lengths_path",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Dataset lengths: a .jsonl with text/num_tokens, or a .json histogram.",
+        ),
+        click.option(
+            "--headroom",
+            type=click.FloatRange(0.0, 0.9),
+            default=0.05,
+            show_default=True,
+            help="Fraction of GPU memory kept free.",
+        ),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -73,12 +108,21 @@ def plan_options(fn: Callable) -> Callable:
     """One option per Plan field."""
     decorators = [
         click.option("--method", type=_choice(Method), default="full", show_default=True),
-        click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (lora/qlora; default 16)."),
+        click.option(
+            "--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (lora/qlora; default 16)."
+        ),
         click.option("--lora-targets", type=_choice(LoraTargets), default="all-linear", show_default=True),
-        click.option("--precision", type=_choice(Precision), default=None, help="Default: bf16-mixed where the GPU has bf16, else fp16-mixed."),
+        click.option(
+            "--precision",
+            type=_choice(Precision),
+            default=None,
+            help="Default: bf16-mixed where the GPU has bf16, else fp16-mixed.",
+        ),
         click.option("--optimizer", type=_choice(Optimizer), default="adamw", show_default=True),
         click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True),
-        click.option("--grad-accum", type=click.IntRange(min=1), default=None, help="Default: what the global batch needs."),
+        click.option(
+            "--grad-accum", type=click.IntRange(min=1), default=None, help="Default: what the global batch needs."
+        ),
         click.option("--checkpointing", type=_choice(Checkpointing), default="none", show_default=True),
         click.option("--attention", type=_choice(Attention), default="sdpa", show_default=True),
         click.option("--sharding", type=_choice(Sharding), default="none", show_default=True),
@@ -95,17 +139,31 @@ def plan_options(fn: Callable) -> Callable:
 def measured_options(fn: Callable) -> Callable:
     """How ``--evaluator measured`` runs its trials; ``--cpu-mem-budget`` also sets the CPU target's memory."""
     decorators = [
-        click.option("--cpu-mem-budget", default=None, metavar="SIZE",
-                     help="Memory of each CPU rank (--gpus Nxcpu), e.g. 600MiB: every evaluator judges by it, "
-                          "measured runs stop with OOM at the first allocation over it."),
-        click.option("--steps", type=click.IntRange(min=1), default=None,
-                     help="Measured: timed steps per trial [default: 3]."),
-        click.option("--warmup-steps", type=click.IntRange(min=1), default=None,
-                     help="Measured: warm-up steps per trial, where memory is tracked [default: 2]."),
-        click.option("--trial-timeout", default=None,
-                     help="Measured: stop a trial after this long, e.g. 10m [default: 15m]."),
-        click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-                     help="Measured: keep each trial's files (spec, exported configs, logs, results) here."),
+        click.option(
+            "--cpu-mem-budget",
+            default=None,
+            metavar="SIZE",
+            help="Memory of each CPU rank (--gpus Nxcpu), e.g. 600MiB: every evaluator judges by it, "
+            "measured runs stop with OOM at the first allocation over it.",
+        ),
+        click.option(
+            "--steps", type=click.IntRange(min=1), default=None, help="Measured: timed steps per trial [default: 3]."
+        ),
+        click.option(
+            "--warmup-steps",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Measured: warm-up steps per trial, where memory is tracked [default: 2].",
+        ),
+        click.option(
+            "--trial-timeout", default=None, help="Measured: stop a trial after this long, e.g. 10m [default: 15m]."
+        ),
+        click.option(
+            "--work-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="Measured: keep each trial's files (spec, exported configs, logs, results) here.",
+        ),
     ]
     for d in reversed(decorators):
         fn = d(fn)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import click
 
-from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
+from autofit.report import console
 
 
 @click.command(name="report")
 @click.argument("study")
-@click.option("--out", default=None, metavar="DIR",
-              help="Directory for report.html and the plots (PNG and SVG) [default: autofit-report/STUDY].")
+@click.option(
+    "--out",
+    default=None,
+    metavar="DIR",
+    help="Directory for report.html and the plots (PNG and SVG) [default: autofit-report/STUDY].",
+)
 @db_option
 @json_option
 @handle_errors

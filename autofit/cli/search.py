@@ -8,10 +8,9 @@ import shlex
 import sys
 
 import click
-from rich.console import Console
 from click.core import ParameterSource
+from rich.console import Console
 
-from autofit.report import analysis, console
 from autofit.cli.options import (
     db_option,
     evaluator_options,
@@ -22,16 +21,28 @@ from autofit.cli.options import (
     target_options,
 )
 from autofit.errors import AutofitError, SpecError
+from autofit.report import analysis, console
 
 
 @click.command()
 @target_options(required=False)
-@click.option("--methods", default=None, help="Methods the search may use (quality-affecting): full,lora,qlora [default: all].")
+@click.option(
+    "--methods", default=None, help="Methods the search may use (quality-affecting): full,lora,qlora [default: all]."
+)
 @click.option("--optimizers", default=None, help="Optimizers it may use (quality-affecting) [default: adamw].")
-@click.option("--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision].")
+@click.option(
+    "--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision]."
+)
 @click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
-@click.option("--evaluator", "--backend", "evaluator", type=click.Choice(["auto", "analytic", "simulated", "measured"]), default="auto",
-              show_default=True, help="auto: measure on matching local GPUs, else the most faithful estimator.")
+@click.option(
+    "--evaluator",
+    "--backend",
+    "evaluator",
+    type=click.Choice(["auto", "analytic", "simulated", "measured"]),
+    default="auto",
+    show_default=True,
+    help="auto: measure on matching local GPUs, else the most faithful estimator.",
+)
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by evaluator].")
 @click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
@@ -39,17 +50,42 @@ from autofit.errors import AutofitError, SpecError
 @click.option("--resume", is_flag=True, help="Continue the interrupted study of this request (or --name).")
 @click.option("--fresh", is_flag=True, help="Search again even if an identical finished study is stored.")
 @click.option("--out", default="autofit-out", show_default=True, help="Directory for the winner's config files.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="A study file (YAML); options on the command line override it.")
-@click.option("--workers", type=click.IntRange(min=0), default=1, show_default=True,
-              help="0: only create the study for `autofit worker`s on other nodes (then --wait follows it).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A study file (YAML); options on the command line override it.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="0: only create the study for `autofit worker`s on other nodes (then --wait follows it).",
+)
 @click.option("--wait", is_flag=True, help="With --workers 0: follow the study until the workers finish it.")
-@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).")
-@click.option("--report/--no-report", "write_report", default=True, show_default=True,
-              help="Write report.html and its plots into --out at the end (not with --json).")
-@click.option("--calibration/--no-calibration", "calibrate", default=True, show_default=True,
-              help="Correct predictions by what was measured on this GPU type before.")
+@click.option(
+    "--parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).",
+)
+@click.option(
+    "--report/--no-report",
+    "write_report",
+    default=True,
+    show_default=True,
+    help="Write report.html and its plots into --out at the end (not with --json).",
+)
+@click.option(
+    "--calibration/--no-calibration",
+    "calibrate",
+    default=True,
+    show_default=True,
+    help="Correct predictions by what was measured on this GPU type before.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @measured_options
 @db_option
@@ -59,25 +95,37 @@ from autofit.errors import AutofitError, SpecError
 def search(cctx: click.Context, **opts):
     """Search for the fastest training plan that fits, store every trial, export the winner."""
     from autofit.evaluators import resolve_evaluator
-    from autofit.search.request import build_context
     from autofit.search.loop import DEFAULT_TRIALS, SearchRequest, run_search
+    from autofit.search.request import build_context
     from autofit.search.space import Allowed
     from autofit.store import Store
 
     opts = _merge_study_file(cctx, opts)
     if not opts.get("model") or not opts.get("gpus"):
         raise SpecError("--model and --gpus are required (or a --config study file that sets them)")
-    ctx = build_context(opts["model"], opts["gpus"], nodes=opts["nodes"], host_mem=opts["host_mem"],
-                        seq_len=opts["seq_len"], global_batch=opts["global_batch"],
-                        lengths_path=opts["lengths_path"], headroom=opts["headroom"],
-                        cpu_mem_budget=opts["cpu_mem_budget"])
+    ctx = build_context(
+        opts["model"],
+        opts["gpus"],
+        nodes=opts["nodes"],
+        host_mem=opts["host_mem"],
+        seq_len=opts["seq_len"],
+        global_batch=opts["global_batch"],
+        lengths_path=opts["lengths_path"],
+        headroom=opts["headroom"],
+        cpu_mem_budget=opts["cpu_mem_budget"],
+    )
     allowed = Allowed.parse(opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"])
     evaluator = resolve_evaluator(opts["evaluator"], ctx)
-    request = SearchRequest(ctx=ctx, allowed=allowed, evaluator=evaluator,
-                            trials=opts["trials"] or DEFAULT_TRIALS[evaluator],
-                            timeout_s=parse_duration(opts["timeout"]), seed=opts["seed"],
-                            evaluator_options=evaluator_options(opts) if evaluator == "measured" else {},
-                            calibrate=opts["calibrate"])
+    request = SearchRequest(
+        ctx=ctx,
+        allowed=allowed,
+        evaluator=evaluator,
+        trials=opts["trials"] or DEFAULT_TRIALS[evaluator],
+        timeout_s=parse_duration(opts["timeout"]),
+        seed=opts["seed"],
+        evaluator_options=evaluator_options(opts) if evaluator == "measured" else {},
+        calibrate=opts["calibrate"],
+    )
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     term = console.terminal(stderr=True, quiet=quiet)
@@ -86,11 +134,15 @@ def search(cctx: click.Context, **opts):
         if opts["parallel"] > 1 or opts["workers"] == 0:
             outcome = _distributed(request, store, opts, progress)
         else:
-            outcome = run_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
-                                 study_name=opts["name"], progress=progress)
+            outcome = run_search(
+                request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"], progress=progress
+            )
     if opts["name"] and outcome.from_store and outcome.study.name != opts["name"]:
-        click.echo(f"note: study {outcome.study.name} already answers this identical request, so no study named "
-                   f"{opts['name']!r} was created; add --fresh to search again under that name", err=True)
+        click.echo(
+            f"note: study {outcome.study.name} already answers this identical request, so no study named "
+            f"{opts['name']!r} was created; add --fresh to search again under that name",
+            err=True,
+        )
     standing = analysis.standing(outcome.results, ctx)
     exported = []
     if standing.best is not None and opts["out"]:
@@ -114,19 +166,26 @@ def _distributed(request, store, opts, progress):
     from autofit.search.loop import follow, interrupted_marks, prepare_search, stored_outcome
     from autofit.search.workers import spawn_local_workers
 
-    rec, finished = prepare_search(request, store, fresh=opts["fresh"], resume=opts["resume"],
-                                   study_name=opts["name"], progress=progress)
+    rec, finished = prepare_search(
+        request, store, fresh=opts["fresh"], resume=opts["resume"], study_name=opts["name"], progress=progress
+    )
     if finished:
         return stored_outcome(request, store, rec)
     if opts["parallel"] > 1:
         # a Ctrl-C stops the local workers first, then marks the study (workers elsewhere: not with --wait)
-        with interrupted_marks(store, rec), spawn_local_workers(rec.name, store.url, opts["parallel"], request) as alive:
+        with (
+            interrupted_marks(store, rec),
+            spawn_local_workers(rec.name, store.url, opts["parallel"], request) as alive,
+        ):
             return follow(store, rec.name, progress=progress, alive=alive)
     if not opts["wait"]:
         name = shlex.quote(rec.name)  # pasted into a shell: a name is never code
-        click.echo(f"study {rec.name} created; on each node start:\n"
-                   f"  autofit worker --study {name} --db {shlex.quote(store.masked_url)}\n"
-                   f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {name})", err=True)
+        click.echo(
+            f"study {rec.name} created; on each node start:\n"
+            f"  autofit worker --study {name} --db {shlex.quote(store.masked_url)}\n"
+            f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {name})",
+            err=True,
+        )
         if opts["as_json"]:
             click.echo(console.dumps({"study": rec.name, "status": "running"}))
         sys.exit(0)
@@ -143,13 +202,15 @@ def _report(term: Console, store, study: str, opts: dict) -> None:
         try:
             files = write_report(store, study, opts["out"])
         except AutofitError as exc:
-            term.print(f"[yellow]the report was not written[/yellow]: {exc}; retry with: {command}",
-                          highlight=False)
+            term.print(f"[yellow]the report was not written[/yellow]: {exc}; retry with: {command}", highlight=False)
             return
         for note in files.notes:
             term.print(f"[yellow]note[/yellow]: {note}", highlight=False)
-        term.print(f"report: [bold]{files.html}[/bold]  (plots beside it; rebuild with `{command}`)",
-                      highlight=False, soft_wrap=True)
+        term.print(
+            f"report: [bold]{files.html}[/bold]  (plots beside it; rebuild with `{command}`)",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         term.print(f"report: {command}", highlight=False, soft_wrap=True)
 

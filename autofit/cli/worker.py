@@ -7,16 +7,26 @@ import sys
 
 import click
 
-from autofit.report import console
 from autofit.cli.options import db_option, handle_errors, json_option
+from autofit.report import console
 
 
 @click.command()
 @click.option("--study", "-s", required=True, help="Name or id of the study to join (see `autofit history`).")
-@click.option("--heartbeat", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Seconds between a running trial's pings to the database.")
-@click.option("--grace", type=click.IntRange(min=2), default=60, show_default=True,
-              help="Seconds of silence after which another worker takes a trial's worker for dead.")
+@click.option(
+    "--heartbeat",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Seconds between a running trial's pings to the database.",
+)
+@click.option(
+    "--grace",
+    type=click.IntRange(min=2),
+    default=60,
+    show_default=True,
+    help="Seconds of silence after which another worker takes a trial's worker for dead.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @db_option
 @json_option
@@ -43,7 +53,9 @@ def worker(study, heartbeat, grace, quiet, db_url, as_json):
     if as_json:
         click.echo(console.dumps(console.outcome_dict(outcome, [])))
     elif not quiet:
-        term.print(f"worker done: study {outcome.study.name} is {outcome.study.status}; "
-                      f"{sum(outcome.counts().values())} results stored")
+        term.print(
+            f"worker done: study {outcome.study.name} is {outcome.study.status}; "
+            f"{sum(outcome.counts().values())} results stored"
+        )
     if outcome.interrupted:
         sys.exit(130)

@@ -10,9 +10,9 @@ imported only by the fidelities that build models (simulated, measured).
 from __future__ import annotations
 
 from autofit.errors import AutofitError
-from autofit.specs import Target
 from autofit.evaluators.base import Evaluator
 from autofit.results import TrialResult
+from autofit.specs import Target
 
 EVALUATOR_CHOICES = ("auto", "analytic", "simulated", "measured")
 

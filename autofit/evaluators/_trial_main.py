@@ -78,8 +78,17 @@ def cuda_device_used(index: int) -> int | None:
 class Setup:
     """What one rank trains with: the (prepared) model, optimizer and how a step is driven."""
 
-    def __init__(self, model, optimizer, *, accelerator=None, backward=None, micro_batch_context=None,
-                 engine: dict[str, Any] | None = None, step_plan=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        *,
+        accelerator=None,
+        backward=None,
+        micro_batch_context=None,
+        engine: dict[str, Any] | None = None,
+        step_plan=None,
+    ):
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.backward, self.micro_batch_context = backward, micro_batch_context
         self.engine = engine or {}
@@ -138,8 +147,14 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         model = build(spec, plan, device, seed)
         step_plan, fused = _loss_plan(spec, plan, device, model)
         optimizer = rt.make_optimizer(plan, model)
-        engine = {"distributed_type": "NO", "world_size": 1, "model_class": type(model).__name__,
-                  "optimizer_class": type(optimizer).__name__, "fused_loss": fused, **_model_facts(model)}
+        engine = {
+            "distributed_type": "NO",
+            "world_size": 1,
+            "model_class": type(model).__name__,
+            "optimizer_class": type(optimizer).__name__,
+            "fused_loss": fused,
+            **_model_facts(model),
+        }
         return Setup(model, optimizer, engine=engine, step_plan=step_plan)
 
     from accelerate import Accelerator
@@ -148,8 +163,9 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     use_ds = _flag("ACCELERATE_USE_DEEPSPEED")
     # DeepSpeed: Accelerator(cpu=True) would silently drop it; its CPU accelerator needs no flag
     acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum)
-    engine: dict[str, Any] = {"world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized()
-                              else 1}
+    engine: dict[str, Any] = {
+        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    }
     step_plan = plan
     fsdp_by_us = _flag("ACCELERATE_USE_FSDP") and acc.distributed_type is not DistributedType.FSDP
     if fsdp_by_us:
@@ -172,14 +188,24 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     facts = _model_facts(model)
     model, optimizer = acc.prepare(model, optimizer)
     engine.update(_describe(acc, model, optimizer), **facts)
-    engine["fsdp_applied_by"] = "autofit (accelerate does not select FSDP on the CPU)" if fsdp_by_us else (
-        "accelerate" if acc.distributed_type is DistributedType.FSDP else None)
+    engine["fsdp_applied_by"] = (
+        "autofit (accelerate does not select FSDP on the CPU)"
+        if fsdp_by_us
+        else ("accelerate" if acc.distributed_type is DistributedType.FSDP else None)
+    )
     # accelerator.accumulate and accelerator.backward around each micro-batch, as the Trainer does
     backward = acc.backward
     if use_ds:
         backward = _deepspeed_backward(acc, model, tracker)
-    return Setup(model, optimizer, accelerator=acc, backward=backward,
-                 micro_batch_context=lambda i, n: acc.accumulate(model), engine=engine, step_plan=step_plan)
+    return Setup(
+        model,
+        optimizer,
+        accelerator=acc,
+        backward=backward,
+        micro_batch_context=lambda i, n: acc.accumulate(model),
+        engine=engine,
+        step_plan=step_plan,
+    )
 
 
 @contextlib.contextmanager
@@ -206,6 +232,7 @@ def _zero3_init(acc):
 def _deepspeed_backward(acc, engine, tracker):
     """``accelerator.backward`` under DeepSpeed (engine backward, and its step at the accumulation
     boundary), with the engine's step seen by the tracker as the optimizer phase it is."""
+
     def backward(loss):
         boundary = acc.sync_gradients
         engine.set_gradient_accumulation_boundary(is_boundary=boundary)
@@ -246,8 +273,9 @@ def _model_facts(model) -> dict[str, Any]:
         "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
         "trainable_params": sum(p.numel() for p in trainable),
         "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trainable}),
-        "checkpointing": bool(getattr(inner, "is_activation_checkpointing",
-                                      getattr(inner, "is_gradient_checkpointing", False))),
+        "checkpointing": bool(
+            getattr(inner, "is_activation_checkpointing", getattr(inner, "is_gradient_checkpointing", False))
+        ),
     }
 
 
@@ -398,8 +426,16 @@ class Trial:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        runner = rt.StepRunner(spec, setup.step_plan, model, setup.optimizer, device=dev, tracker=tracker,
-                               backward=setup.backward, micro_batch_context=setup.micro_batch_context)
+        runner = rt.StepRunner(
+            spec,
+            setup.step_plan,
+            model,
+            setup.optimizer,
+            device=dev,
+            tracker=tracker,
+            backward=setup.backward,
+            micro_batch_context=setup.micro_batch_context,
+        )
         self.write_rank({"status": "running", "engine": setup.engine})
         return setup, runner
 
@@ -410,8 +446,9 @@ class Trial:
         tracker = self.tracker
         _engine_marks(tracker, setup)
         snap = tracker.snapshot()
-        self.memory.update(tracked_peak=tracker.peak, components=snap.components,
-                           peak_phase=snap.peak_phase, peak_step=snap.peak_step)
+        self.memory.update(
+            tracked_peak=tracker.peak, components=snap.components, peak_phase=snap.peak_phase, peak_step=snap.peak_step
+        )
         tracker.__exit__(None, None, None)
         self.tracking = False
 
@@ -430,8 +467,7 @@ class Trial:
             injected_fault(plan.plan_id, step)
             # warm-up steps take the worst case of the length distribution (memory),
             # timed steps samples of it (speed); ranks see different data
-            batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank,
-                                     worst_case=step < warmup)
+            batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank, worst_case=step < warmup)
             n_tok = sum(rt.real_tokens(b) for b in batches)
             loss, dt = _timed_step(runner, batches, step, cuda)
             if cuda:
@@ -441,8 +477,15 @@ class Trial:
                 out.times.append(dt)
                 out.tokens.append(n_tok)
             peak = torch.cuda.max_memory_allocated(dev) if cuda else self.tracker.peak
-            self.progress({"step": step, "warmup": step < warmup, "step_time_s": dt,
-                           "tokens_per_sec": n_tok * self.world / dt, "peak_bytes": int(peak)})
+            self.progress(
+                {
+                    "step": step,
+                    "warmup": step < warmup,
+                    "step_time_s": dt,
+                    "tokens_per_sec": n_tok * self.world / dt,
+                    "peak_bytes": int(peak),
+                }
+            )
         return out
 
     def _final_memory(self, dev, device_used: list[int | None]) -> None:
@@ -552,37 +595,59 @@ def main(argv: list[str]) -> int:
         memory = dict(trial.memory)
         if oom and hit is not None:
             snap = trial.tracker.snapshot(hit["event"])
-            memory.update(components=snap.components, peak_allocated=snap.peak, peak_reserved=snap.peak,
-                          device_total=snap.peak, peak_phase=hit["phase"], peak_step=hit["step"])
-        trial.write(rank_file, {**base, "status": "oom" if oom else "failed",
-                                "error": f"{type(exc).__name__}: {exc}".strip(), "traceback": tb[-TAIL_LINES:],
-                                "budget_hit": hit, "memory": memory})
+            memory.update(
+                components=snap.components,
+                peak_allocated=snap.peak,
+                peak_reserved=snap.peak,
+                device_total=snap.peak,
+                peak_phase=hit["phase"],
+                peak_step=hit["step"],
+            )
+        trial.write(
+            rank_file,
+            {
+                **base,
+                "status": "oom" if oom else "failed",
+                "error": f"{type(exc).__name__}: {exc}".strip(),
+                "traceback": tb[-TAIL_LINES:],
+                "budget_hit": hit,
+                "memory": memory,
+            },
+        )
         sys.stdout.flush()
         print(f"autofit trial rank {trial.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         # leave at once: a rank that stops must not wait for collectives the others will never join
         os._exit(EXIT_OOM if oom else 1)
-    mine = {**base, "status": "completed", "memory": trial.memory, "real_tokens": out["real_tokens"],
-            "engine": out["engine"]}
+    mine = {
+        **base,
+        "status": "completed",
+        "memory": trial.memory,
+        "real_tokens": out["real_tokens"],
+        "engine": out["engine"],
+    }
     trial.write(rank_file, mine)
     ranks = trial.gather(mine)
     if trial.rank == 0:
         times = out["step_times_s"]
         tokens_per_step = sum(sum(r["real_tokens"]) for r in ranks) / max(1, len(times))
         step_time = sum(times) / len(times) if times else 0.0
-        trial.write("result.json", {
-            "status": "completed",
-            "device": trial.spec["device"],
-            "device_name": _device_name(trial.spec["device"]),
-            "world_size": trial.world,
-            "engine": out["engine"],
-            "step_times_s": times,
-            "step_time_s": step_time,
-            "tokens_per_step": tokens_per_step,
-            "tokens_per_sec": tokens_per_step / step_time if step_time else 0.0,
-            "losses": out["losses"],
-            "loss_finite": out["loss_finite"],
-            "ranks": ranks,
-        })
+        trial.write(
+            "result.json",
+            {
+                "status": "completed",
+                "device": trial.spec["device"],
+                "device_name": _device_name(trial.spec["device"]),
+                "world_size": trial.world,
+                "engine": out["engine"],
+                "step_times_s": times,
+                "step_time_s": step_time,
+                "tokens_per_step": tokens_per_step,
+                "tokens_per_sec": tokens_per_step / step_time if step_time else 0.0,
+                "losses": out["losses"],
+                "loss_finite": out["loss_finite"],
+                "ranks": ranks,
+            },
+        )
     trial.close()
     return 0
 

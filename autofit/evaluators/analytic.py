@@ -76,8 +76,9 @@ class _Saves:
         self.autocast = lay.autocasts
         self.cuda_autocast = lay.autocasts and not cpu  # CUDA autocast runs softmax, pow, layer_norm in fp32
         self.full = plan.method is Method.FULL
-        self.lora = ({n for n, _, _, part in model.linears() if plan.lora_targets.covers(part)}
-                     if plan.is_peft else set())
+        self.lora = (
+            {n for n, _, _, part in model.linears() if plan.lora_targets.covers(part)} if plan.is_peft else set()
+        )
         self.rank = plan.lora_rank or 0
         # PEFT casts an adapter's input to the adapter dtype (fp32 under autocast), and
         # autocast casts it back for the matmul: every adapter then saves its own copy
@@ -265,8 +266,9 @@ def _plain_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = False,
-                      capability: tuple[int, int] = (8, 0)) -> _Block:
+def block_activations(
+    model: ModelSpec, plan: Plan, masked: bool, cpu: bool = False, capability: tuple[int, int] = (8, 0)
+) -> _Block:
     """What one transformer block saves for backward, per token. See the module doc.
 
     ``cpu``: the CPU's kernels, which differ where it matters: dropout keeps its mask in
@@ -288,8 +290,9 @@ def block_activations(model: ModelSpec, plan: Plan, masked: bool, cpu: bool = Fa
     return _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
 
 
-def _block_summary(s: _Saves, model: ModelSpec, math: bool, before_mlp: float, down: str, prod: str,
-                   norm_out: str) -> _Block:
+def _block_summary(
+    s: _Saves, model: ModelSpec, math: bool, before_mlp: float, down: str, prod: str, norm_out: str
+) -> _Block:
     """The block's saves and the transients around them (measured on the CPU)."""
     f, plan, saved, r, c, h = s.f, s.plan, s.saved, s.r, s.c, s.h
     inter, a = model.intermediate_size, model.num_heads
@@ -299,9 +302,13 @@ def _block_summary(s: _Saves, model: ModelSpec, math: bool, before_mlp: float, d
     # output, and PEFT's fp32 copy of its input under autocast (not modelled for post-norm)
     mlp_fwd_tok = 0.0
     if f.norm_position != "post":
-        mlp_fwd_tok = (h * r + (0.0 if norm_out in saved else h * c) + h * c
-                       + (0.0 if prod in saved else inter * c)
-                       + (inter * 4 if s.adapter_recast and down in s.lora else 0.0))
+        mlp_fwd_tok = (
+            h * r
+            + (0.0 if norm_out in saved else h * c)
+            + h * c
+            + (0.0 if prod in saved else inter * c)
+            + (inter * 4 if s.adapter_recast and down in s.lora else 0.0)
+        )
     eager = plan.attention is Attention.EAGER
     # softmax backward holds the fp32 gradient in and out (+ part of a 16-bit cast),
     # once the MLP's saved tensors of the block are already freed (measured on the CPU)
@@ -311,8 +318,18 @@ def _block_summary(s: _Saves, model: ModelSpec, math: bool, before_mlp: float, d
     total = s.total()
     probs_quad = a * c if eager and c != 4 and f.positions == "rope" else 0.0
     attn_freed = saved.get("o_in", 0.0)
-    return _Block(total, s.quad, bwd_tok, fwd_quad, first_norm, total - before_mlp, attn_freed, probs_quad,
-                  attn_bwd_quad, mlp_fwd_tok)
+    return _Block(
+        total,
+        s.quad,
+        bwd_tok,
+        fwd_quad,
+        first_norm,
+        total - before_mlp,
+        attn_freed,
+        probs_quad,
+        attn_bwd_quad,
+        mlp_fwd_tok,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -357,8 +374,9 @@ def logits_bytes(model: ModelSpec, plan: Plan, tokens: int) -> tuple[float, floa
     up = 4 if c != 4 else 0  # the fp32 upcast is a no-op in fp32
     cap = c if model.family.logit_softcap else 0  # gemma2's tanh soft-cap output
     # full fine-tuning under autocast: the head casts its fp32 input to 16-bit and keeps it
-    head_cast = (c * model.hidden_size * tokens
-                 if (lay.autocasts and lay.base_bytes != c and plan.method is Method.FULL) else 0)
+    head_cast = (
+        c * model.hidden_size * tokens if (lay.autocasts and lay.base_bytes != c and plan.method is Method.FULL) else 0
+    )
     if plan.fused_loss:
         chunk = min(tokens, costs.next_pow2(tokens / -(-v // model.hidden_size)))
         # + one chunk's head-weight gradient before it is added into .grad
@@ -432,14 +450,16 @@ class _Activations:
     attn_bwd_temp: float  # ... of its softmax backward
 
 
-def _activations(model: ModelSpec, plan: Plan, ctx: Target, blk: _Block, masked: bool, t_mem: int,
-                 s: int) -> _Activations:
+def _activations(
+    model: ModelSpec, plan: Plan, ctx: Target, blk: _Block, masked: bool, t_mem: int, s: int
+) -> _Activations:
     lay = dtype_layout(plan)
     L, c = model.num_layers, lay.compute_bytes
     block_bytes = t_mem * (blk.tok + s * blk.quad)
     # RoPE's cos and sin, [1, positions, head_dim] each, shared by all blocks
-    rope = (2 * (t_mem if plan.packing else s) * model.head_dim * lay.base_bytes
-            if model.family.positions == "rope" else 0)
+    rope = (
+        2 * (t_mem if plan.packing else s) * model.head_dim * lay.base_bytes if model.family.positions == "rope" else 0
+    )
     head = t_mem * _head_activations(model, plan)
     if plan.checkpointing is Checkpointing.FULL:
         saved_blocks = L * t_mem * lay.base_bytes * model.hidden_size  # each block's input
@@ -462,9 +482,19 @@ def _activations(model: ModelSpec, plan: Plan, ctx: Target, blk: _Block, masked:
         # on the CPU, dequantize + linear (runtime.bnb_decompositions)
         if ctx.cluster.gpu.kind == "cpu" or t_mem > 1536:
             fwd_temp += dequant
-    return _Activations(block=block_bytes, saved=saved_blocks + head + rope, head=head, rope=rope,
-                        recompute=recompute, logits_fwd=logits_fwd, logits_bwd=logits_bwd, mask=mask,
-                        fwd_temp=fwd_temp, bwd_temp=bwd_temp, attn_bwd_temp=attn_bwd_temp)
+    return _Activations(
+        block=block_bytes,
+        saved=saved_blocks + head + rope,
+        head=head,
+        rope=rope,
+        recompute=recompute,
+        logits_fwd=logits_fwd,
+        logits_bwd=logits_bwd,
+        mask=mask,
+        fwd_temp=fwd_temp,
+        bwd_temp=bwd_temp,
+        attn_bwd_temp=attn_bwd_temp,
+    )
 
 
 @dataclass(frozen=True)
@@ -517,20 +547,28 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     if plan.method is Method.FULL:
         # the MLP's and the attention output's; post-norm blocks (BERT) count the MLP's only
         f = model.family
-        tail = sum(i * o for n, i, o, part in model.linears()
-                   if part == "mlp" or (n == f.attn_out and f.norm_position != "post"))
+        tail = sum(
+            i * o
+            for n, i, o, part in model.linears()
+            if part == "mlp" or (n == f.attn_out and f.norm_position != "post")
+        )
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
     return _States(
-        sb=sb, st=st, layer_trainable=layer_trainable, autocast_copies=autocast_copies,
+        sb=sb,
+        st=st,
+        layer_trainable=layer_trainable,
+        autocast_copies=autocast_copies,
         # by the first block's backward the other blocks' copies are freed with their saved tensors
         first_block_copies=autocast_copies if ckpt else autocast_copies / L,
-        early_grads=early_grads, block_tail_grads=block_tail_grads,
+        early_grads=early_grads,
+        block_tail_grads=block_tail_grads,
         tied_grad=early_grads if model.tie_word_embeddings else 0.0,
     )
 
 
-def _moments(model: ModelSpec, plan: Plan, act: _Activations, ms: _States, blk: _Block, t_mem: int,
-             s: int) -> dict[str, dict[str, float]]:
+def _moments(
+    model: ModelSpec, plan: Plan, act: _Activations, ms: _States, blk: _Block, t_mem: int, s: int
+) -> dict[str, dict[str, float]]:
     """The anatomy at each moment of a steady-state step that can be its peak, in step order."""
     st, sb = ms.st, ms.sb
     ckpt = plan.checkpointing is Checkpointing.FULL
@@ -538,53 +576,89 @@ def _moments(model: ModelSpec, plan: Plan, act: _Activations, ms: _States, blk: 
     persistent_tmp = st.comm_buffers + st.gather_peak + act.mask
     in_blocks = act.saved - act.head + act.recompute  # the head's saves are freed by then
     moments = {
-        "forward": {**states, "gradients": st.grad_accum_present, "activations": act.saved,
-                    "logits": act.logits_fwd, "temporary": persistent_tmp},
+        "forward": {
+            **states,
+            "gradients": st.grad_accum_present,
+            "activations": act.saved,
+            "logits": act.logits_fwd,
+            "temporary": persistent_tmp,
+        },
         # the last block's forward (eager's scores, the MLP's transients): before the logits
-        "block-forward": {**states, "gradients": st.grad_accum_present, "activations": act.saved - act.head,
-                          "logits": 0.0,
-                          "temporary": persistent_tmp + max(act.fwd_temp, t_mem * blk.mlp_fwd_tok)},
+        "block-forward": {
+            **states,
+            "gradients": st.grad_accum_present,
+            "activations": act.saved - act.head,
+            "logits": 0.0,
+            "temporary": persistent_tmp + max(act.fwd_temp, t_mem * blk.mlp_fwd_tok),
+        },
         "loss-backward": {
             **states,
             # a chunked loss computes the head's weight gradient inside the loss backward
             "gradients": max(st.grad_accum_present, ms.early_grads if plan.fused_loss else 0.0),
-            "activations": act.saved, "logits": act.logits_bwd, "temporary": persistent_tmp,
+            "activations": act.saved,
+            "logits": act.logits_bwd,
+            "temporary": persistent_tmp,
         },
-        "block-backward": {**states, "gradients": max(st.grad_accum_present, ms.early_grads),
-                           "activations": in_blocks, "logits": 0.0, "temporary": persistent_tmp + act.bwd_temp},
+        "block-backward": {
+            **states,
+            "gradients": max(st.grad_accum_present, ms.early_grads),
+            "activations": in_blocks,
+            "logits": 0.0,
+            "temporary": persistent_tmp + act.bwd_temp,
+        },
         # mid-softmax-backward of the last block: its MLP, o_proj input and 16-bit probs
         # are freed, the MLP's and o_proj's weight gradients exist
         "attention-backward": {
             **states,
             "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads),
             "activations": in_blocks - t_mem * (blk.mlp_tok + blk.attn_freed) - t_mem * s * blk.probs_quad,
-            "logits": 0.0, "temporary": persistent_tmp + act.attn_bwd_temp,
+            "logits": 0.0,
+            "temporary": persistent_tmp + act.attn_bwd_temp,
         },
         "first-block-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(st.grad_accum_present, st.gradients - ms.layer_trainable * sb.grad_elem_bytes
-                             * st.gradients / max(sb.gradients, 1)),
+            "gradients": max(
+                st.grad_accum_present,
+                st.gradients - ms.layer_trainable * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1),
+            ),
             "activations": (t_mem * dtype_layout(plan).base_bytes * model.hidden_size if ckpt else 0)
-            + act.block + act.rope,
-            "logits": 0.0, "temporary": persistent_tmp + act.bwd_temp,
+            + act.block
+            + act.rope,
+            "logits": 0.0,
+            "temporary": persistent_tmp + act.bwd_temp,
         },
         # the end of backward: every gradient; with tied embeddings the head's and the
         # embedding's gradients meet in the shared weight's .grad, added out of place, all
         # three alive at once
         # (the head's one was made in the loss's backward: a storage tracker calls it logits)
-        "backward-end": {"weights": st.weights, "optimizer": st.optimizer, "gradients": st.gradients,
-                         "activations": 0.0, "logits": ms.tied_grad, "temporary": persistent_tmp + ms.tied_grad},
-        "optimizer-step": {"weights": st.weights, "optimizer": st.optimizer, "gradients": st.gradients,
-                           "activations": 0.0, "logits": 0.0, "temporary": st.comm_buffers + st.step_temporary},
+        "backward-end": {
+            "weights": st.weights,
+            "optimizer": st.optimizer,
+            "gradients": st.gradients,
+            "activations": 0.0,
+            "logits": ms.tied_grad,
+            "temporary": persistent_tmp + ms.tied_grad,
+        },
+        "optimizer-step": {
+            "weights": st.weights,
+            "optimizer": st.optimizer,
+            "gradients": st.gradients,
+            "activations": 0.0,
+            "logits": 0.0,
+            "temporary": st.comm_buffers + st.step_temporary,
+        },
     }
     if ckpt:
         # a block being recomputed in backward, in the middle of its MLP: what it saves so
         # far plus the MLP's forward transients (counted as activations: they are recomputed)
         mlp_fwd = t_mem * blk.mlp_fwd_tok
         incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
-        moments["block-recompute"] = {**moments["block-backward"], "activations": in_blocks + mlp_fwd,
-                                      "temporary": persistent_tmp + incoming}
+        moments["block-recompute"] = {
+            **moments["block-backward"],
+            "activations": in_blocks + mlp_fwd,
+            "temporary": persistent_tmp + incoming,
+        }
         moments["first-block-recompute"] = {
             **moments["first-block-backward"],
             "activations": moments["first-block-backward"]["activations"] + mlp_fwd,
@@ -630,8 +704,9 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
     return Estimate(memory, _throughput(plan, ctx, ms.sb, t_time, keys, act.block), phase)
 
 
-def _throughput(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys: float,
-                block_bytes: float) -> Throughput:
+def _throughput(
+    plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys: float, block_bytes: float
+) -> Throughput:
     """Roofline time of one optimizer step: matmul FLOPs at the size's efficiency, the
     elementwise, logits, dequantization and autocast-cast traffic at memory bandwidth,
     exposed communication and offload, and the optimizer step."""
@@ -639,7 +714,9 @@ def _throughput(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, ke
     lay = dtype_layout(plan)
     gpu = cluster.gpu
     L = model.num_layers
-    head_params = model.vocab_size * model.hidden_size + (model.hidden_size**2 if model.family.task == "masked-lm" else 0)
+    head_params = model.vocab_size * model.hidden_size + (
+        model.hidden_size**2 if model.family.task == "masked-lm" else 0
+    )
     block_mm = model.linear_params()
     causal = model.family.task == "causal-lm"
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys

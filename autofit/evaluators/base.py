@@ -8,8 +8,9 @@ without torch.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from autofit.plan import Plan
 from autofit.results import TrialResult

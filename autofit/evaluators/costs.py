@@ -83,8 +83,9 @@ def compute_dtype(plan: Plan) -> str:
     return SHORT_NAME[dtype_layout(plan).compute]
 
 
-def cuda_sdpa_kernel(capability: tuple[int, int], dtype: str, head_dim: int, masked: bool, gqa: bool,
-                     requires_grad: bool = True) -> str:
+def cuda_sdpa_kernel(
+    capability: tuple[int, int], dtype: str, head_dim: int, masked: bool, gqa: bool, requires_grad: bool = True
+) -> str:
     """The sdpa backend torch 2.13 picks on a CUDA GPU: ``flash``, ``efficient`` or ``math``.
 
     Priority flash, efficient, math (``sdp_utils.cpp``). Flash: fp16/bf16, no mask,
@@ -214,8 +215,15 @@ def _small_trainable(model: ModelSpec, plan: Plan) -> int:
     return model.n_params - sum(cnt * r * c for cnt, r, c in model.matrix_shapes())
 
 
-def shard_states(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, layer_weight_bytes: float,
-                 layer_trainable: float, step_temporary: float) -> ShardedStates:
+def shard_states(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    sb: StateBytes,
+    layer_weight_bytes: float,
+    layer_trainable: float,
+    step_temporary: float,
+) -> ShardedStates:
     """Divide model states the way the plan's engine divides them, and add its buffers."""
     dp = cluster.world_size
     stage = plan.zero_stage

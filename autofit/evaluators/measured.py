@@ -133,8 +133,10 @@ def not_measurable(plan: Plan, ctx: Target, device: str) -> str:
         if plan.offload is not Offload.NONE:
             return "offloading to host memory moves nothing when the device is the host (CPU target)"
     if plan.fused_loss and (plan.engine != "torch" or ctx.cluster.world_size > 1) and not liger_runs(ctx, device):
-        return ("the chunked loss calls the model body outside the engine's forward (DDP, DeepSpeed, FSDP); "
-                "without Liger (CUDA), a fused loss is measured in single-process runs only")
+        return (
+            "the chunked loss calls the model body outside the engine's forward (DDP, DeepSpeed, FSDP); "
+            "without Liger (CUDA), a fused loss is measured in single-process runs only"
+        )
     return ""
 
 
@@ -142,8 +144,7 @@ def liger_runs(ctx: Target, device: str) -> bool:
     """Liger's fused loss will be used by the child (see ``_trial_main.liger``)."""
     import importlib.util
 
-    return (device == "cuda" and ctx.model.family.liger
-            and importlib.util.find_spec("liger_kernel") is not None)
+    return device == "cuda" and ctx.model.family.liger and importlib.util.find_spec("liger_kernel") is not None
 
 
 def launcher(plan: Plan, ctx: Target) -> str:
@@ -179,8 +180,18 @@ def launch_command(plan: Plan, ctx: Target, spec_path: Path, port: int | None = 
         return [sys.executable, "-m", CHILD_MODULE, str(spec_path)]
     from autofit.export.common import ACCELERATE_CONFIG_NAME
 
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIG_NAME,
-            "--main_process_port", str(port or free_port()), "-m", CHILD_MODULE, str(spec_path)]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        ACCELERATE_CONFIG_NAME,
+        "--main_process_port",
+        str(port or free_port()),
+        "-m",
+        CHILD_MODULE,
+        str(spec_path),
+    ]
 
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -208,7 +219,7 @@ def _ppid_and_pgid(pid: int) -> tuple[int, int] | None:
             stat = fh.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
     return int(fields[1]), int(fields[2])
 
 
@@ -325,26 +336,49 @@ class MeasuredEvaluator(Evaluator):
 
     name = "measured"
 
-    def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, timed_steps: int = DEFAULT_TIMED_STEPS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, cpu_mem_budget: int | None = None,
-                 work_dir: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                 seed: int = 0) -> None:
-        self.options = MeasuredOptions(warmup_steps, timed_steps, float(timeout_s), cpu_mem_budget,
-                                       str(work_dir) if work_dir is not None else None, dict(env or {}), seed)
+    def __init__(
+        self,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        timed_steps: int = DEFAULT_TIMED_STEPS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        cpu_mem_budget: int | None = None,
+        work_dir: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.options = MeasuredOptions(
+            warmup_steps,
+            timed_steps,
+            float(timeout_s),
+            cpu_mem_budget,
+            str(work_dir) if work_dir is not None else None,
+            dict(env or {}),
+            seed,
+        )
 
     def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         opts = self.options
         t0 = time.perf_counter()
         device = target_device(ctx)
         budget = (opts.cpu_mem_budget or ctx.capacity_bytes) if device == "cpu" else None
-        base_extra: dict[str, Any] = {"device": device, "world_size": ctx.cluster.world_size,
-                                      "warmup_steps": opts.warmup_steps, "timed_steps": opts.timed_steps}
+        base_extra: dict[str, Any] = {
+            "device": device,
+            "world_size": ctx.cluster.world_size,
+            "warmup_steps": opts.warmup_steps,
+            "timed_steps": opts.timed_steps,
+        }
         if budget is not None:
             base_extra["cpu_mem_budget"] = budget
         why = not_measurable(plan, ctx, device)
         if why:
-            return TrialResult(plan, Status.FAILED, self.name, capacity_bytes=ctx.capacity_bytes,
-                               reason=f"not measurable here: {why}", extra={**base_extra, "launched": False})
+            return TrialResult(
+                plan,
+                Status.FAILED,
+                self.name,
+                capacity_bytes=ctx.capacity_bytes,
+                reason=f"not measurable here: {why}",
+                extra={**base_extra, "launched": False},
+            )
 
         try:
             if opts.work_dir:
@@ -352,16 +386,27 @@ class MeasuredEvaluator(Evaluator):
             trial_dir = Path(tempfile.mkdtemp(prefix=f"trial-{plan.plan_id}-", dir=opts.work_dir))
         except OSError as exc:  # every later trial would fail the same way: stop with one line
             where = opts.work_dir or tempfile.gettempdir()
-            raise AutofitError(f"cannot create a trial directory in {where}: {exc.strerror or exc}; "
-                               "give --work-dir a writable directory") from None
+            raise AutofitError(
+                f"cannot create a trial directory in {where}: {exc.strerror or exc}; "
+                "give --work-dir a writable directory"
+            ) from None
         try:
             return self._run(plan, ctx, on_step, trial_dir, device, budget, base_extra, t0)
         finally:
             if not opts.work_dir:
                 shutil.rmtree(trial_dir, ignore_errors=True)
 
-    def _run(self, plan: Plan, ctx: Target, on_step: StepCallback | None, trial_dir: Path, device: str,
-             budget: int | None, extra: dict[str, Any], t0: float) -> TrialResult:
+    def _run(
+        self,
+        plan: Plan,
+        ctx: Target,
+        on_step: StepCallback | None,
+        trial_dir: Path,
+        device: str,
+        budget: int | None,
+        extra: dict[str, Any],
+        t0: float,
+    ) -> TrialResult:
         from autofit.export import export_plan
 
         opts = self.options
@@ -376,9 +421,16 @@ class MeasuredEvaluator(Evaluator):
             extra["trial_dir"] = str(trial_dir)
 
         with open(trial_dir / "stdout.log", "wb") as out, open(trial_dir / "stderr.log", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=trial_dir, env=child_env(opts.env), stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=trial_dir,
+                env=child_env(opts.env),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
             try:
                 stopped, last = self._watch(proc, trial_dir, on_step, t0)
             except BaseException:  # Ctrl-C or a failing on_step: the child's own session would outlive us
@@ -389,8 +441,9 @@ class MeasuredEvaluator(Evaluator):
         duration = time.perf_counter() - t0
         return classify(plan, ctx, trial_dir, rc, stopped, last, extra, duration, opts.timeout_s)
 
-    def _watch(self, proc: subprocess.Popen, trial_dir: Path, on_step: StepCallback | None,
-               t0: float) -> tuple[str, StepReport | None]:
+    def _watch(
+        self, proc: subprocess.Popen, trial_dir: Path, on_step: StepCallback | None, t0: float
+    ) -> tuple[str, StepReport | None]:
         """Follow the child until it exits, times out or is pruned; returns (why it stopped, last step)."""
         progress = trial_dir / "progress.jsonl"
         offset = 0
@@ -400,8 +453,11 @@ class MeasuredEvaluator(Evaluator):
             done = proc.poll() is not None
             offset, records = _read_new_lines(progress, offset)
             for rec in records:
-                last = StepReport(step=int(rec["step"]), tokens_per_sec=float(rec["tokens_per_sec"]),
-                                  peak_bytes=int(rec["peak_bytes"]))
+                last = StepReport(
+                    step=int(rec["step"]),
+                    tokens_per_sec=float(rec["tokens_per_sec"]),
+                    peak_bytes=int(rec["peak_bytes"]),
+                )
                 if on_step is not None and on_step(last) is False and not done:
                     kill_tree(proc)
                     return "pruned", last
@@ -451,22 +507,47 @@ def anatomy(mem: dict[str, Any], host_bytes: int = 0) -> MemoryAnatomy:
     comps["temporary"] = max(0, comps["temporary"] + peak - sum(comps.values()))
     reserved = int(mem.get("peak_reserved") or peak)
     total = int(mem.get("device_total") or reserved)
-    return MemoryAnatomy(**comps, overhead=max(0, total - peak), peak_allocated=peak, peak_reserved=reserved,
-                         device_total=total, host_bytes=host_bytes)
+    return MemoryAnatomy(
+        **comps,
+        overhead=max(0, total - peak),
+        peak_allocated=peak,
+        peak_reserved=reserved,
+        device_total=total,
+        host_bytes=host_bytes,
+    )
 
 
-def classify(plan: Plan, ctx: Target, trial_dir: Path, rc: int | None, stopped: str,
-             last: StepReport | None, extra: dict[str, Any], duration: float, timeout_s: float) -> TrialResult:
+def classify(
+    plan: Plan,
+    ctx: Target,
+    trial_dir: Path,
+    rc: int | None,
+    stopped: str,
+    last: StepReport | None,
+    extra: dict[str, Any],
+    duration: float,
+    timeout_s: float,
+) -> TrialResult:
     """The outcome, from the child's result files and exit status (never from its logs)."""
     result = _read_json(trial_dir / "result.json")
     ranks = sorted((r for p in trial_dir.glob("rank-*.json") if (r := _read_json(p))), key=lambda r: r["rank"])
-    extra["ranks"] = [{k: r.get(k) for k in ("rank", "pid", "status", "error")}
-                      | {"memory": _rank_memory(r.get("memory") or {})} for r in ranks]
+    extra["ranks"] = [
+        {k: r.get(k) for k in ("rank", "pid", "status", "error")} | {"memory": _rank_memory(r.get("memory") or {})}
+        for r in ranks
+    ]
     if ranks and ranks[0].get("engine"):
         extra["engine"] = ranks[0]["engine"]
     mk = lambda status, reason, memory=None, throughput=None: TrialResult(  # noqa: E731
-        plan, status, "measured", memory=memory, throughput=throughput, capacity_bytes=ctx.capacity_bytes,
-        reason=reason, duration_s=duration, extra=extra)
+        plan,
+        status,
+        "measured",
+        memory=memory,
+        throughput=throughput,
+        capacity_bytes=ctx.capacity_bytes,
+        reason=reason,
+        duration_s=duration,
+        extra=extra,
+    )
 
     if last is not None:
         extra["last_step"] = {"step": last.step, "tokens_per_sec": last.tokens_per_sec, "peak_bytes": last.peak_bytes}
@@ -475,8 +556,10 @@ def classify(plan: Plan, ctx: Target, trial_dir: Path, rc: int | None, stopped: 
         return mk(Status.TIMEOUT, f"no result within {timeout_s:g} s (stopped{at}); its processes were killed")
     if stopped == "pruned":
         extra["pruned_by"] = "pruner"
-        return mk(Status.PRUNED, f"stopped at step {last.step}: {last.tokens_per_sec:,.0f} tokens/s cannot beat "
-                                 "the best trials so far")
+        return mk(
+            Status.PRUNED,
+            f"stopped at step {last.step}: {last.tokens_per_sec:,.0f} tokens/s cannot beat the best trials so far",
+        )
     oom = [r for r in ranks if r.get("status") == "oom"]
     if oom:
         r = max(oom, key=lambda r: (r.get("memory") or {}).get("peak_allocated", 0))
@@ -487,9 +570,11 @@ def classify(plan: Plan, ctx: Target, trial_dir: Path, rc: int | None, stopped: 
         where = f"step {mem.get('peak_step', '?')} ({mem.get('peak_phase', '?')})"
         if hit:
             extra["budget_hit"] = hit
-            reason = (f"out of memory at {where}: {hit['live_before'] / 2**20:.1f} MiB allocated + "
-                      f"{hit['requested'] / 2**20:.1f} MiB requested > the {hit['budget'] / 2**20:.1f} MiB budget "
-                      f"(rank {r['rank']})")
+            reason = (
+                f"out of memory at {where}: {hit['live_before'] / 2**20:.1f} MiB allocated + "
+                f"{hit['requested'] / 2**20:.1f} MiB requested > the {hit['budget'] / 2**20:.1f} MiB budget "
+                f"(rank {r['rank']})"
+            )
         else:
             reason = f"out of memory at {where} on rank {r['rank']}: {r.get('error', '')}"
         memory = anatomy(mem) if mem.get("peak_allocated") else None
@@ -503,30 +588,45 @@ def classify(plan: Plan, ctx: Target, trial_dir: Path, rc: int | None, stopped: 
             reason = f"rank {failed[0]['rank']} failed: {failed[0].get('error', '')}"
         elif rc is not None and rc < 0:
             reason = f"the trial was killed by signal {signal.Signals(-rc).name}" + (
-                " (the kernel's OOM killer?)" if rc == -signal.SIGKILL else "")
+                " (the kernel's OOM killer?)" if rc == -signal.SIGKILL else ""
+            )
         elif rc == EXIT_OOM:
             reason = "out of memory (the rank's result file is missing)"
         else:
-            reason = f"the trial exited with status {rc} without a result" + (
-                f": {stderr[-1]}" if stderr else "")
+            reason = f"the trial exited with status {rc} without a result" + (f": {stderr[-1]}" if stderr else "")
         return mk(Status.FAILED, reason[:500])
 
     per_rank = [anatomy(r["memory"]) for r in result["ranks"]]
     host = sum(int(r["memory"].get("rss_peak_bytes", 0)) for r in result["ranks"])
     worst = max(range(len(per_rank)), key=lambda i: per_rank[i].device_total)
     memory = anatomy(result["ranks"][worst]["memory"], host_bytes=host)
-    extra.update(engine=result["engine"], device_name=result["device_name"], worst_rank=worst,
-                 step_times_s=result["step_times_s"], tokens_per_step=result["tokens_per_step"],
-                 loss_finite=result["loss_finite"],
-                 setup_peak_bytes=result["ranks"][worst]["memory"].get("setup_peak_bytes"),
-                 rss_peak_bytes=[r["memory"].get("rss_peak_bytes") for r in result["ranks"]])
-    throughput = Throughput(tokens_per_sec=float(result["tokens_per_sec"]), step_time_s=float(result["step_time_s"]),
-                            compute_s=float(result["step_time_s"]))
+    extra.update(
+        engine=result["engine"],
+        device_name=result["device_name"],
+        worst_rank=worst,
+        step_times_s=result["step_times_s"],
+        tokens_per_step=result["tokens_per_step"],
+        loss_finite=result["loss_finite"],
+        setup_peak_bytes=result["ranks"][worst]["memory"].get("setup_peak_bytes"),
+        rss_peak_bytes=[r["memory"].get("rss_peak_bytes") for r in result["ranks"]],
+    )
+    throughput = Throughput(
+        tokens_per_sec=float(result["tokens_per_sec"]),
+        step_time_s=float(result["step_time_s"]),
+        compute_s=float(result["step_time_s"]),
+    )
     status, reason = judge(memory, ctx)
     return mk(status, reason, memory, throughput)
 
 
 def _rank_memory(mem: dict[str, Any]) -> dict[str, Any]:
-    keys = ("peak_allocated", "peak_reserved", "device_total", "setup_peak_bytes", "rss_peak_bytes", "peak_phase",
-            "peak_step")
+    keys = (
+        "peak_allocated",
+        "peak_reserved",
+        "device_total",
+        "setup_peak_bytes",
+        "rss_peak_bytes",
+        "peak_phase",
+        "peak_step",
+    )
     return {k: mem[k] for k in keys if k in mem}

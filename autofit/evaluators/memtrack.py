@@ -99,8 +99,13 @@ def _plain_tensors(items: Iterable) -> Iterator[torch.Tensor]:
 class StorageTracker(TorchDispatchMode):
     """Log every storage an op creates, and when it dies."""
 
-    def __init__(self, record_ops: bool = False, budget: int | None = None, skip_meta: bool = False,
-                 decompositions: dict | None = None) -> None:
+    def __init__(
+        self,
+        record_ops: bool = False,
+        budget: int | None = None,
+        skip_meta: bool = False,
+        decompositions: dict | None = None,
+    ) -> None:
         super().__init__()
         self.record_ops = record_ops
         # measured runs build models on the meta device (no memory); fake tensors keep
@@ -219,7 +224,8 @@ class StorageTracker(TorchDispatchMode):
             self._op = f"{func.__name__}{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}"
         # a dtype cast of a weight (autocast's cached 16-bit copy) is a weight too
         weight_copy = (
-            func is _TO_COPY and isinstance(args[0], torch.Tensor)
+            func is _TO_COPY
+            and isinstance(args[0], torch.Tensor)
             and self._key_of(args[0], create=False) in self.weight_keys
         )
         for t in _plain_tensors(tree_leaves(out)):
@@ -238,8 +244,12 @@ class StorageTracker(TorchDispatchMode):
         ``budget_hit`` for the result file.
         """
         self.budget_hit = {
-            "requested": nbytes, "live_before": self.live - nbytes, "budget": self.budget,
-            "phase": self.phase, "step": self.step, "event": len(self.log) - 1,
+            "requested": nbytes,
+            "live_before": self.live - nbytes,
+            "budget": self.budget,
+            "phase": self.phase,
+            "step": self.step,
+            "event": len(self.log) - 1,
         }
         mib = 2**20
         raise torch.OutOfMemoryError(

@@ -17,8 +17,9 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +84,9 @@ def hf_model_class(spec: ModelSpec):
     return transformers.AutoModelForCausalLM
 
 
-def build_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0,
-                attn_impl: str | None = None) -> torch.nn.Module:
+def build_model(
+    spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0, attn_impl: str | None = None
+) -> torch.nn.Module:
     """The exact architecture with random weights and the plan applied, on ``device``.
 
     ``device="meta"`` builds without memory (the simulator then swaps in fake tensors with
@@ -117,8 +119,13 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: torch.dtype, device,
-                     quant_storage: torch.dtype | None = None) -> None:
+def quantize_linears(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    compute_dtype: torch.dtype,
+    device,
+    quant_storage: torch.dtype | None = None,
+) -> None:
     """Replace every block Linear (GPT-2: Conv1D) by a bitsandbytes NF4 Linear4bit (double-quantized).
 
     Layer by layer, so a model is never held in 16-bit and 4-bit at once beyond one Linear.
@@ -128,7 +135,7 @@ def quantize_linears(model: torch.nn.Module, spec: ModelSpec, compute_dtype: tor
     ``quant_storage``: the packed weights' element type (a float dtype where ZeRO-3/FSDP
     shard them; default uint8).
     """
-    for name, parent, child_name, child in _quant_targets(model, spec):
+    for _name, parent, child_name, child in _quant_targets(model, spec):
         weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).contiguous()
         setattr(parent, child_name, _linear4bit(weight, child.bias, compute_dtype, device, quant_storage))
 
@@ -149,8 +156,13 @@ def _quant_targets(model: torch.nn.Module, spec: ModelSpec):
                 yield name, parent, child_name, child
 
 
-def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype, device,
-                quant_storage: torch.dtype | None = None) -> torch.nn.Module:
+def _linear4bit(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    device,
+    quant_storage: torch.dtype | None = None,
+) -> torch.nn.Module:
     """An NF4 Linear4bit quantized from ``weight`` (out × in) on ``device``.
 
     Weights are quantized from ``compute_dtype``, as transformers' bitsandbytes loader does
@@ -162,11 +174,21 @@ def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: 
     storage = {} if quant_storage is None else {"quant_storage": quant_storage}
     out_f, in_f = weight.shape
     q = bnb.nn.Linear4bit(
-        in_f, out_f, bias=bias is not None, compute_dtype=compute_dtype, quant_type=NF4_QUANT_TYPE,
-        compress_statistics=NF4_DOUBLE_QUANT, device="meta", **storage,
+        in_f,
+        out_f,
+        bias=bias is not None,
+        compute_dtype=compute_dtype,
+        quant_type=NF4_QUANT_TYPE,
+        compress_statistics=NF4_DOUBLE_QUANT,
+        device="meta",
+        **storage,
     )
     q.weight = bnb.nn.Params4bit(
-        weight.to(compute_dtype), requires_grad=False, quant_type=NF4_QUANT_TYPE, compress_statistics=NF4_DOUBLE_QUANT, **storage,
+        weight.to(compute_dtype),
+        requires_grad=False,
+        quant_type=NF4_QUANT_TYPE,
+        compress_statistics=NF4_DOUBLE_QUANT,
+        **storage,
     )
     if bias is not None:
         q.bias = torch.nn.Parameter(bias.data.to(device=weight.device, dtype=compute_dtype), requires_grad=False)
@@ -174,8 +196,13 @@ def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: 
 
 
 # -- QLoRA without a 16-bit model: built on meta, materialized and quantized one module at a time --
-def build_quantized_model(spec: ModelSpec, plan: Plan, device: str | torch.device = "cpu", seed: int = 0,
-                          quant_storage: torch.dtype | None = None) -> torch.nn.Module:
+def build_quantized_model(
+    spec: ModelSpec,
+    plan: Plan,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    quant_storage: torch.dtype | None = None,
+) -> torch.nn.Module:
     """A QLoRA plan's model whose 16-bit base never exists whole (measured runs).
 
     ``build_model`` materializes every weight in 16-bit, then quantizes: fine for tests,
@@ -217,8 +244,9 @@ def build_quantized_model(spec: ModelSpec, plan: Plan, device: str | torch.devic
             continue
         metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.device.type == "meta"]
         for n, p in metas:
-            module._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                       requires_grad=p.requires_grad)
+            module._parameters[n] = torch.nn.Parameter(
+                torch.empty_like(p, device=device), requires_grad=p.requires_grad
+            )
         if metas:
             model._init_weights(module)
     model.tie_weights()
@@ -244,8 +272,11 @@ def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn
             # peft/tuners/lora/layer.py (dispatch_default) warns that fan_in_fan_out is False
             # for GPT-2's Conv1D layers and sets it True itself; the adapters are built right
             # either way, and the exported LoRA config is the user's to keep as it is
-            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False but the target module is `Conv1D`",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore",
+                message="fan_in_fan_out is set to False but the target module is `Conv1D`",
+                category=UserWarning,
+            )
             model = get_peft_model(model, lora_config(spec, plan), autocast_adapter_dtype=False)
         for _, p in model.named_parameters():
             if p.requires_grad:
@@ -315,7 +346,6 @@ def to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
 
 def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
     import bitsandbytes as bnb
-
     from bitsandbytes.functional import create_dynamic_map, name2qmap
 
     # the double quantization's code is built from Python floats (.tolist()), which a
@@ -325,8 +355,11 @@ def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
     src = module.weight
     with mode:
         packed, qs = bnb.functional.quantize_4bit(
-            weight, blocksize=src.blocksize, compress_statistics=src.compress_statistics,
-            quant_type=src.quant_type, quant_storage=src.quant_storage,
+            weight,
+            blocksize=src.blocksize,
+            compress_statistics=src.compress_statistics,
+            quant_type=src.quant_type,
+            quant_storage=src.quant_storage,
         )
     p = torch.nn.Parameter(packed, requires_grad=False)
     # what Params4bit carries; a fake tensor cannot be re-wrapped as Params4bit, and
@@ -349,6 +382,7 @@ def bnb_decompositions(kind: str) -> dict:
     """
     try:
         from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+
         op = torch.ops.bitsandbytes.gemm_4bit.default
     except (ImportError, AttributeError):
         return {}
@@ -390,8 +424,9 @@ def sample_lengths(workload: Workload, n: int, gen: torch.Generator, worst_case:
     return lengths
 
 
-def synthetic_batch(spec: ModelSpec, plan: Plan, workload: Workload, device="cpu", seed: int = 0,
-                    worst_case: bool = True) -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    spec: ModelSpec, plan: Plan, workload: Workload, device="cpu", seed: int = 0, worst_case: bool = True
+) -> dict[str, torch.Tensor]:
     """Random token ids shaped like the workload: padded to the micro-batch's longest
     sequence, or packed padding-free into one row with restarting position ids."""
     gen = torch.Generator().manual_seed(seed)
@@ -434,8 +469,9 @@ def _chunk_loss(hidden, weight, bias, labels, softcap):
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                          softcap: float | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
     """Cross-entropy through the output head one chunk of tokens at a time.
 
     Each chunk is checkpointed, so neither forward nor backward ever holds more than one
@@ -451,7 +487,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: t
     total = h.new_zeros((), dtype=torch.float32)
     for i in range(0, n_tok, chunk):
         total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, h[i:i + chunk], weight, bias, y[i:i + chunk], softcap, use_reentrant=False
+            _chunk_loss, h[i : i + chunk], weight, bias, y[i : i + chunk], softcap, use_reentrant=False
         )
     return total / (y != IGNORE_INDEX).sum().clamp(min=1)
 
@@ -464,10 +500,18 @@ def _shift(labels: torch.Tensor) -> torch.Tensor:
 class StepRunner:
     """Runs forward, loss, backward and the optimizer step of a plan, micro-batch by micro-batch."""
 
-    def __init__(self, spec: ModelSpec, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: str | torch.device = "cpu", tracker: StorageTracker | None = None,
-                 backward: Callable[[torch.Tensor], None] | None = None,
-                 micro_batch_context: Callable[[int, int], Any] | None = None, kernels: Any = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        plan: Plan,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: str | torch.device = "cpu",
+        tracker: StorageTracker | None = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
+        micro_batch_context: Callable[[int, int], Any] | None = None,
+        kernels: Any = None,
+    ) -> None:
         """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
         ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
         DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``).
@@ -599,8 +643,9 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
                 yield v
 
 
-def batches_for(spec: ModelSpec, plan: Plan, workload: Workload, device: Any = "cpu", step: int = 0,
-                worst_case: bool = True) -> list[dict[str, torch.Tensor]]:
+def batches_for(
+    spec: ModelSpec, plan: Plan, workload: Workload, device: Any = "cpu", step: int = 0, worst_case: bool = True
+) -> list[dict[str, torch.Tensor]]:
     return [
         synthetic_batch(spec, plan, workload, device, seed=1000 * step + i, worst_case=worst_case)
         for i in range(plan.grad_accum)

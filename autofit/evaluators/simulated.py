@@ -6,7 +6,7 @@ CUDA kernels substituted (:class:`CudaKernels`); a ``memtrack.StorageTracker`` g
 anatomy at the peak, and a roofline over the traced ops the time. Nothing is allocated
 and no GPU is needed. Imports torch and transformers lazily (inside functions), and
 from autofit only what lies below the evaluators (results, plan, specs) and its
-siblings base, costs, analytic, runtime and memtrack. Design and decisions: docs/EVALUATORS.md.
+siblings base, costs, runtime and memtrack. Design and decisions: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -85,18 +85,44 @@ class TraceKey:
 
 
 # -- CUDA kernels on fake CPU tensors ----------------------------------------------------
-def cuda_sdpa_kernel(capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool,
-                     requires_grad: bool) -> str:
+def cuda_sdpa_kernel(
+    capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool, requires_grad: bool
+) -> str:
     """``costs.cuda_sdpa_kernel`` for a torch dtype (the analytic evaluator shares the rule)."""
     return costs.cuda_sdpa_kernel(capability, _dtype_class(dtype), head_dim, masked, gqa, requires_grad)
 
 
 # CUDA autocast's fp32 policies for ops CPU autocast does not list (autocast_mode.cpp)
-_FP32_CAST = frozenset({
-    "pow", "__pow__", "__rpow__", "rsqrt", "exp", "log", "log10", "log2", "log1p", "expm1", "reciprocal",
-    "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "layer_norm", "group_norm", "norm",
-    "cosine_similarity", "logsumexp", "dist", "cdist", "renorm",
-})
+_FP32_CAST = frozenset(
+    {
+        "pow",
+        "__pow__",
+        "__rpow__",
+        "rsqrt",
+        "exp",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "expm1",
+        "reciprocal",
+        "softplus",
+        "acos",
+        "asin",
+        "cosh",
+        "sinh",
+        "tan",
+        "erfinv",
+        "layer_norm",
+        "group_norm",
+        "norm",
+        "cosine_similarity",
+        "logsumexp",
+        "dist",
+        "cdist",
+        "renorm",
+    }
+)
 _FP32_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"})
 
 
@@ -117,8 +143,13 @@ def _cuda_autocast(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
     if name in _FP32_CAST:
         return _upcast(args), {k: _upcast(v) for k, v in kwargs.items()}
-    if kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) \
-            and args[0].dtype in (torch.float16, torch.bfloat16) and len(args) <= 2:
+    if (
+        kwargs.get("dtype") is None
+        and args
+        and isinstance(args[0], torch.Tensor)
+        and args[0].dtype in (torch.float16, torch.bfloat16)
+        and len(args) <= 2
+    ):
         return args, {**kwargs, "dtype": torch.float32}
     return args, kwargs
 
@@ -133,8 +164,9 @@ def _cuda_dropout(func, input, p=0.5, training=True, inplace=False):
     return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)
 
 
-def _cuda_sdpa(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
+def _cuda_sdpa(
+    capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """sdpa as torch runs it on a CUDA GPU of ``capability``: the kernel ``cuda_sdpa_kernel`` picks
     (the order and constraints of ``sdp_utils.cpp``), called as the aten op itself so that what it
     saves for backward (out, logsumexp, rng state) is traced."""
@@ -158,13 +190,13 @@ def _cuda_sdpa(capability: tuple[int, int], q, k, v, attn_mask=None, dropout_p=0
             bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill_(bias.logical_not(), float("-inf"))
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
 
 
 def _make_cuda_kernels():
@@ -203,8 +235,19 @@ def cuda_kernels_mode():
 
 
 # -- flash2 ------------------------------------------------------------------------------
-def flash2_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                     softcap=None, is_causal=None, **kwargs):
+def flash2_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    **kwargs,
+):
     """FlashAttention-2 as transformers' flash path runs it, through aten's FA2 kernel.
 
     q/k/v arrive as [batch, heads, seq, dim]; returns [batch, seq, heads, dim] like
@@ -234,8 +277,9 @@ def flash2_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return padded.view(b, s, h, d), None
 
 
-def _flash2_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs):
+def _flash2_mask(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
+):
     """The 2D padding mask, passed through unsliced (the simulator drops all-ones masks)."""
     return attention_mask
 
@@ -344,9 +388,16 @@ class _OpCounter:
         self.cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
         self.cpu_flash_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
         # ops that move no data (views, detach, uninitialized allocations)
-        self.free = {aten._unsafe_view.default, aten.detach.default, aten.lift_fresh.default,
-                     aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
-                     aten.new_empty_strided.default, aten.empty_like.default}
+        self.free = {
+            aten._unsafe_view.default,
+            aten.detach.default,
+            aten.lift_fresh.default,
+            aten.empty.memory_format,
+            aten.empty_strided.default,
+            aten.new_empty.default,
+            aten.new_empty_strided.default,
+            aten.empty_like.default,
+        }
 
     def counted(self, func) -> bool:
         """An op that costs time (prim.device & co. query metadata)."""
@@ -374,9 +425,12 @@ class _OpCounter:
                 flops *= attn_flop_scale * (0.5 if _is_causal(func, args, kwargs) else 1.0)
         elif self.cpu_flash is not None and packet in (self.cpu_flash, self.cpu_flash_bwd):
             backward = packet is self.cpu_flash_bwd
-            q, k, v = (args[1:4] if backward else args[:3])
-            flops = (self._sdpa_bwd(args[0].shape, q.shape, k.shape, v.shape) if backward
-                     else self._sdpa_fwd(q.shape, k.shape, v.shape))
+            q, k, v = args[1:4] if backward else args[:3]
+            flops = (
+                self._sdpa_bwd(args[0].shape, q.shape, k.shape, v.shape)
+                if backward
+                else self._sdpa_fwd(q.shape, k.shape, v.shape)
+            )
             flops *= attn_flop_scale * (0.5 if _is_causal(func, args, kwargs) else 1.0)
         elif packet.__name__ == "gemm_4bit":  # bitsandbytes' fused 4-bit matmul, left whole
             a = args[0]
@@ -657,8 +711,14 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
             continue
         weights = st.weights if sharded else comp["weights"]
         if phase == "optimizer" and sharded:
-            cand = {"weights": weights, "gradients": st.gradients, "optimizer": st.optimizer, "activations": 0,
-                    "temporary": st.comm_buffers + st.step_temporary, "logits": 0}
+            cand = {
+                "weights": weights,
+                "gradients": st.gradients,
+                "optimizer": st.optimizer,
+                "activations": 0,
+                "temporary": st.comm_buffers + st.step_temporary,
+                "logits": 0,
+            }
         else:
             cand = {
                 "weights": weights,
@@ -687,10 +747,17 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
         host = st.host
     host_bytes = (host + costs.HOST_PROCESS_BYTES) * ctx.cluster.gpus_per_node
     mem = MemoryAnatomy(
-        weights=comp["weights"], gradients=comp["gradients"], optimizer=comp["optimizer"],
-        activations=comp["activations"], temporary=comp["temporary"], logits=comp["logits"],
-        overhead=total - peak_allocated, peak_allocated=peak_allocated, peak_reserved=peak_reserved,
-        device_total=total, host_bytes=int(host_bytes),
+        weights=comp["weights"],
+        gradients=comp["gradients"],
+        optimizer=comp["optimizer"],
+        activations=comp["activations"],
+        temporary=comp["temporary"],
+        logits=comp["logits"],
+        overhead=total - peak_allocated,
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        device_total=total,
+        host_bytes=int(host_bytes),
     )
     return mem, rm.phase
 
@@ -748,17 +815,35 @@ class SimulatedEvaluator(Evaluator):
             mem, phase = anatomy(trace, plan, ctx)
             tput = throughput(trace, plan, ctx)
         except Exception as exc:  # noqa: BLE001 - a plan that cannot be traced is a failed trial
-            return TrialResult(plan=plan, status=Status.FAILED, evaluator=self.name, capacity_bytes=ctx.capacity_bytes,
-                               reason=_last_line(exc), duration_s=time.perf_counter() - t0)
+            return TrialResult(
+                plan=plan,
+                status=Status.FAILED,
+                evaluator=self.name,
+                capacity_bytes=ctx.capacity_bytes,
+                reason=_last_line(exc),
+                duration_s=time.perf_counter() - t0,
+            )
         status, reason = judge(mem, ctx)
         return TrialResult(
-            plan=plan, status=status, evaluator=self.name, memory=mem, throughput=tput,
-            capacity_bytes=ctx.capacity_bytes, reason=reason, duration_s=time.perf_counter() - t0,
-            extra={"peak_phase": phase, "trace_s": round(trace.seconds, 3), "trace_reused": self.cache.hits > hits,
-                   "timings": {k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v])
-                               for k, v in trace.timings.items()},
-                   "target_kernels": f"{target.kind}" + (f" sm{target.capability[0]}{target.capability[1]}"
-                                                           if target.kind == "cuda" else "")},
+            plan=plan,
+            status=status,
+            evaluator=self.name,
+            memory=mem,
+            throughput=tput,
+            capacity_bytes=ctx.capacity_bytes,
+            reason=reason,
+            duration_s=time.perf_counter() - t0,
+            extra={
+                "peak_phase": phase,
+                "trace_s": round(trace.seconds, 3),
+                "trace_reused": self.cache.hits > hits,
+                "timings": {
+                    k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v])
+                    for k, v in trace.timings.items()
+                },
+                "target_kernels": f"{target.kind}"
+                + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
+            },
         )
 
 

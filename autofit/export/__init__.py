@@ -2,7 +2,8 @@
 
 ``export_plan(plan, ctx, out_dir)`` writes ``ds_config.json`` (DeepSpeed plans),
 ``accelerate_config.yaml``, ``trainer_args.json`` and a short ``README.md`` with the
-launch command. Imports without torch.
+launch command. May import techniques, plan and specs (never an evaluator: the measured
+evaluator launches these files, so it sits above); imports without torch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import os
 from pathlib import Path
 
-from autofit.specs import Target
 from autofit.export.accelerate import accelerate_config, accelerate_yaml, distributed_type, write_accelerate_yaml
 from autofit.export.common import (
     ACCELERATE_CONFIG_NAME,
@@ -24,6 +24,7 @@ from autofit.export.common import (
 from autofit.export.deepspeed import NVME_PATH, deepspeed_config
 from autofit.export.trainer import trainer_args
 from autofit.plan import Offload, OffloadDevice, Plan
+from autofit.specs import Target
 
 __all__ = [
     "accelerate_config",
@@ -52,8 +53,7 @@ def export_files(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict
     return files
 
 
-def export_plan(plan: Plan, ctx: Target, out_dir: str | os.PathLike, *,
-                nvme_path: str = NVME_PATH) -> list[Path]:
+def export_plan(plan: Plan, ctx: Target, out_dir: str | os.PathLike, *, nvme_path: str = NVME_PATH) -> list[Path]:
     """Write the plan's config files into ``out_dir`` (created if needed); returns their paths.
 
     Raises ``ExportError`` with one line when the directory cannot be written; nothing
@@ -66,7 +66,7 @@ def _json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-_TRAIN_PY = '''\
+_TRAIN_PY = """\
 import json
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
@@ -80,59 +80,72 @@ if t["peft"]:
     model = get_peft_model(model, LoraConfig(**t["peft"]), **t["peft_model_kwargs"])
 args = TrainingArguments(output_dir="out", **t["training_arguments"])
 Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()
-'''
+"""
 
 
 def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     m, c, w = ctx.model, ctx.cluster, ctx.workload
     kind = distributed_type(plan, ctx)
-    rows = [f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "
-            f"{c.nodes} machine(s), {kind} |"]
+    rows = [
+        f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "
+        f"{c.nodes} machine(s), {kind} |"
+    ]
     if plan.engine == "deepspeed":
-        rows.insert(0, f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: batch sizes, precision, "
-                       "buckets, offload, optimizer |")
-    rows.append(f"| `{TRAINER_ARGS_NAME}` | keyword arguments for `TrainingArguments`, `from_pretrained`, "
-                "PEFT and bitsandbytes; data and loss settings |")
+        rows.insert(
+            0,
+            f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: batch sizes, precision, "
+            "buckets, offload, optimizer |",
+        )
+    rows.append(
+        f"| `{TRAINER_ARGS_NAME}` | keyword arguments for `TrainingArguments`, `from_pretrained`, "
+        "PEFT and bitsandbytes; data and loss settings |"
+    )
     before = []
     if plan.engine == "deepspeed" and plan.offload_device is OffloadDevice.NVME and plan.offload is not Offload.NONE:
-        before.append(f"- `nvme_path` in `{DS_CONFIG_NAME}` is `{nvme_path}`: make it a directory on a local "
-                      "NVMe drive of every node.")
+        before.append(
+            f"- `nvme_path` in `{DS_CONFIG_NAME}` is `{nvme_path}`: make it a directory on a local "
+            "NVMe drive of every node."
+        )
     if c.nodes > 1:
         before.append("- On node i, add `--machine_rank i --main_process_ip <address of node 0>` to the command.")
     before += [f"- {n[0].upper()}{n[1:]}." for n in args["notes"]]
     data = args["data"]
-    before.append(f"- Batches: `{data['data_collator']}` with {json.dumps(data['data_collator_kwargs'])}, "
-                  f"sequences up to {data['max_length']} tokens.")
+    before.append(
+        f"- Batches: `{data['data_collator']}` with {json.dumps(data['data_collator_kwargs'])}, "
+        f"sequences up to {data['max_length']} tokens."
+    )
     if args["fused_loss"]["enabled"]:
         fl = args["fused_loss"]
         before.append(f"- Fused loss: {fl['kernel'] or 'no kernel for this model'}; {fl['fallback']}.")
     source = f" ({m.source})" if m.source and m.source != m.name else ""
-    return "\n".join([
-        f"# autofit plan {plan.plan_id}",
-        "",
-        f"`{plan.summary()}`",
-        "",
-        f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
-        f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
-        "",
-        "| file | what it sets |",
-        "|---|---|",
-        *rows,
-        "",
-        "## Launch",
-        "",
-        "From this directory:",
-        "",
-        f"    {LAUNCH}",
-        "",
-        "`train.py` is your training script. With the Hugging Face Trainer it reads `trainer_args.json` so:",
-        "",
-        "```python",
-        _TRAIN_PY.rstrip("\n"),
-        "```",
-        "",
-        "## Check before launching",
-        "",
-        *before,
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# autofit plan {plan.plan_id}",
+            "",
+            f"`{plan.summary()}`",
+            "",
+            f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
+            f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
+            "",
+            "| file | what it sets |",
+            "|---|---|",
+            *rows,
+            "",
+            "## Launch",
+            "",
+            "From this directory:",
+            "",
+            f"    {LAUNCH}",
+            "",
+            "`train.py` is your training script. With the Hugging Face Trainer it reads `trainer_args.json` so:",
+            "",
+            "```python",
+            _TRAIN_PY.rstrip("\n"),
+            "```",
+            "",
+            "## Check before launching",
+            "",
+            *before,
+            "",
+        ]
+    )

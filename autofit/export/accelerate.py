@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from autofit.errors import ExportError
-from autofit.specs import Target
 from autofit.export.common import checked, write_files
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
+from autofit.specs import Target
 
 _MIXED_PRECISION = {
     Precision.BF16_MIXED: "bf16",
@@ -108,8 +108,9 @@ def accelerate_yaml(plan: Plan, ctx: Target, deepspeed_config_file: str | None =
     return yaml.safe_dump(accelerate_config(plan, ctx, deepspeed_config_file), sort_keys=True)
 
 
-def write_accelerate_yaml(plan: Plan, ctx: Target, path: str | os.PathLike,
-                          deepspeed_config_file: str | None = None) -> Path:
+def write_accelerate_yaml(
+    plan: Plan, ctx: Target, path: str | os.PathLike, deepspeed_config_file: str | None = None
+) -> Path:
     """Write the accelerate config to ``path`` (atomically); returns the path."""
     path = Path(path)
     return write_files(path.parent, {path.name: accelerate_yaml(plan, ctx, deepspeed_config_file)})[0]

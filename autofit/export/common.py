@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autofit.errors import ExportError
-from autofit.specs import Target
 from autofit.plan import Plan, validate_plan
+from autofit.specs import Target
 
 DS_CONFIG_NAME = "ds_config.json"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.errors import ExportError
-from autofit.specs import Target
 from autofit.export.common import checked, hyperparameters
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
-from autofit.specs import ModelSpec
+from autofit.specs import ModelSpec, Target
 from autofit.techniques import deepspeed_buckets
 
 # ZeRO-Infinity needs a directory on a local NVMe drive of the training machine, which
@@ -93,22 +92,30 @@ def _zero(plan: Plan, model: ModelSpec, world_size: int, nvme_path: str) -> dict
     if stage < 3:
         z["allgather_bucket_size"] = buckets["allgather_bucket_size"]
     else:
-        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                    "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        for key in (
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+        ):
             z[key] = buckets[key]
         z["stage3_gather_16bit_weights_on_model_save"] = True
     nvme = plan.offload_device is OffloadDevice.NVME
     if plan.offload is not Offload.NONE:
         if nvme:
-            z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
-                                      "buffer_count": 4}
+            z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "buffer_count": 4}
         else:
             z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if plan.offload is Offload.OPTIMIZER_PARAMS:
         if nvme:
-            z["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
-                                  "buffer_count": 5, "buffer_size": nvme_param_buffer(model, world_size),
-                                  "max_in_cpu": 10**9}
+            z["offload_param"] = {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "pin_memory": True,
+                "buffer_count": 5,
+                "buffer_size": nvme_param_buffer(model, world_size),
+                "max_in_cpu": 10**9,
+            }
         else:
             z["offload_param"] = {"device": "cpu", "pin_memory": True}
     return z

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from autofit.specs import Target
 from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
 from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precision
+from autofit.specs import Target
 from autofit.techniques import (
     ATTN_IMPL,
     LIGER_LOSS_ONLY,
@@ -31,6 +31,7 @@ OPTIM_NAME = {
     Optimizer.ADAFACTOR: "adafactor",
     Optimizer.SGD: "sgd",
 }
+
 
 def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CONFIG_NAME) -> dict[str, Any]:
     """Everything the training script needs besides the launch config, JSON-serialisable."""
@@ -63,14 +64,18 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
     if ckpt and not fsdp:
         ta["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     if ckpt and fsdp:
-        notes.append("activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
-                     "accelerate_config.yaml); keep gradient_checkpointing off")
+        notes.append(
+            "activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
+            "accelerate_config.yaml); keep gradient_checkpointing off"
+        )
     if plan.engine == "deepspeed":
         ta["deepspeed"] = deepspeed_config_file
         if plan.optimizer is Optimizer.ADAMW:
-            notes.append("DeepSpeed builds the optimizer from ds_config.json ("
-                         + ("DeepSpeedCPUAdam on the offloaded states" if plan.offload is not Offload.NONE
-                            else "torch AdamW") + "); optim is not used")
+            notes.append(
+                "DeepSpeed builds the optimizer from ds_config.json ("
+                + ("DeepSpeedCPUAdam on the offloaded states" if plan.offload is not Offload.NONE else "torch AdamW")
+                + "); optim is not used"
+            )
 
     liger = plan.fused_loss and ctx.model.family.liger
     if liger:
@@ -94,9 +99,11 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         result["peft_model_kwargs"] = {"autocast_adapter_dtype": lay.trainable == "float32"}
     if plan.method is Method.QLORA:
         result["quantization"] = quantization_kwargs(plan)
-        notes.append("load with quantization_config=BitsAndBytesConfig(**quantization) and skip "
-                     "peft.prepare_model_for_kbit_training: it upcasts the unquantized layers to fp32, "
-                     "which the plan's memory does not include")
+        notes.append(
+            "load with quantization_config=BitsAndBytesConfig(**quantization) and skip "
+            "peft.prepare_model_for_kbit_training: it upcasts the unquantized layers to fp32, "
+            "which the plan's memory does not include"
+        )
     result["notes"] = notes
     return result
 
@@ -145,12 +152,12 @@ def _fused_loss(plan: Plan, liger: bool) -> dict[str, Any]:
             "enabled": True,
             "kernel": "liger_kernel fused_linear_cross_entropy (pip install liger-kernel; CUDA only)",
             "fallback": "autofit.evaluators.runtime.chunked_cross_entropy in a custom compute_loss "
-                        "gives the same memory where Liger cannot run",
+            "gives the same memory where Liger cannot run",
         }
     return {
         "enabled": True,
         "kernel": None,
         "fallback": "Liger has no kernel for this model type: compute the loss with "
-                    "autofit.evaluators.runtime.chunked_cross_entropy in a custom compute_loss, "
-                    "or the full logits need more memory than the plan was judged by",
+        "autofit.evaluators.runtime.chunked_cross_entropy in a custom compute_loss, "
+        "or the full logits need more memory than the plan was judged by",
     }

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.specs import Target
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding, plan_problems
-from autofit.results import Status, TrialResult, ranked
+
 # the answer's rule and the evaluators' fidelity live with the results (one home for every command)
-from autofit.results import authoritative, fidelity  # noqa: F401  (re-exported)
+from autofit.results import Status, TrialResult, authoritative, fidelity, ranked  # noqa: F401  (re-exported)
+from autofit.specs import Target
 
 
 # -- a study's standing --------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class Standing:
         return self.ranked[0] if self.ranked else None
 
     def runners_up(self, k: int = 3) -> tuple[TrialResult, ...]:
-        return self.ranked[1:1 + k]
+        return self.ranked[1 : 1 + k]
 
     def speed_vs_best(self, r: TrialResult) -> float | None:
         """``r``'s tokens/s as a fraction of the winner's."""
@@ -84,7 +85,7 @@ class Standing:
     def counts(self) -> dict[str, int]:
         return dict(Counter(r.status.value for r in self.results))
 
-    def anatomy_subjects(self, k: int = 4) -> tuple["AnatomyGroup", ...]:
+    def anatomy_subjects(self, k: int = 4) -> tuple[AnatomyGroup, ...]:
         """What the anatomy plot compares: the winner and its runners-up, or, when nothing
         fits, the plans closest to fitting; each with all its evaluations (predicted, measured)."""
         if self.ranked:
@@ -119,8 +120,10 @@ class AnatomyGroup:
 def pareto_front(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
     """Fitting plans for which no other fitting plan needs less (or equal) memory and runs
     faster (or equally fast) with one of the two strictly better; least memory first."""
-    fitting = sorted((r for r in results if r.fits and r.memory is not None and r.throughput),
-                     key=lambda r: (r.memory.device_total, -r.tokens_per_sec))
+    fitting = sorted(
+        (r for r in results if r.fits and r.memory is not None and r.throughput),
+        key=lambda r: (r.memory.device_total, -r.tokens_per_sec),
+    )
     front: list[TrialResult] = []
     for r in fitting:
         if not front or r.tokens_per_sec > front[-1].tokens_per_sec:
@@ -174,8 +177,16 @@ def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
                 nearest = min(over_budget, key=lambda r: r.memory.device_total)
                 over = nearest.memory.device_total - ctx.budget_bytes
         losses.append(Loss(status.value, len(group), reason, n, nearest, over))
-    return Standing(ctx=ctx, results=chosen, ranked=fitting, best_per_method=per_method, losses=tuple(losses),
-                    pareto=pareto_front(chosen), closest=closest, evaluations=evaluations)
+    return Standing(
+        ctx=ctx,
+        results=chosen,
+        ranked=fitting,
+        best_per_method=per_method,
+        losses=tuple(losses),
+        pareto=pareto_front(chosen),
+        closest=closest,
+        evaluations=evaluations,
+    )
 
 
 # -- one technique at a time ---------------------------------------------------------------------
@@ -193,11 +204,16 @@ class Toggle:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "technique": self.technique, "label": self.label, "plan": self.plan.as_dict(),
-            "plan_id": self.plan.plan_id, "fits": self.result.fits,
+            "technique": self.technique,
+            "label": self.label,
+            "plan": self.plan.as_dict(),
+            "plan_id": self.plan.plan_id,
+            "fits": self.result.fits,
             "device_total": self.result.memory.device_total if self.result.memory else None,
-            "tokens_per_sec": self.result.tokens_per_sec, "memory_delta": self.memory_delta,
-            "speed_delta": self.speed_delta, "speed_ratio": self.speed_ratio,
+            "tokens_per_sec": self.result.tokens_per_sec,
+            "memory_delta": self.memory_delta,
+            "speed_delta": self.speed_delta,
+            "speed_ratio": self.speed_ratio,
         }
 
 
@@ -220,15 +236,24 @@ def _allowed_list(allowed: Mapping[str, Sequence[Any]] | None, key: str, default
     return values or list(default)
 
 
-def _candidates(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
-                ) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
+def _candidates(
+    plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
+) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
     """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
     invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
     other_ckpt = Checkpointing.FULL if plan.checkpointing is Checkpointing.NONE else Checkpointing.NONE
-    yield "checkpointing", f"checkpointing {plan.checkpointing.value} → {other_ckpt.value}", \
-        plan.replace(checkpointing=other_ckpt), []
-    yield "fused loss", f"fused loss {'on → off' if plan.fused_loss else 'off → on'}", \
-        plan.replace(fused_loss=not plan.fused_loss), []
+    yield (
+        "checkpointing",
+        f"checkpointing {plan.checkpointing.value} → {other_ckpt.value}",
+        plan.replace(checkpointing=other_ckpt),
+        [],
+    )
+    yield (
+        "fused loss",
+        f"fused loss {'on → off' if plan.fused_loss else 'off → on'}",
+        plan.replace(fused_loss=not plan.fused_loss),
+        [],
+    )
     for a in Attention:
         if a is not plan.attention:
             yield "attention", f"attention {plan.attention.value} → {a.value}", plan.replace(attention=a), []
@@ -240,16 +265,27 @@ def _candidates(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | 
     for o in Offload:
         if o is plan.offload:
             continue
-        fallbacks = [plan.replace(offload=o, sharding=s) for s in
-                     (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP, Sharding.NONE) if s is not plan.sharding]
+        fallbacks = [
+            plan.replace(offload=o, sharding=s)
+            for s in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP, Sharding.NONE)
+            if s is not plan.sharding
+        ]
         yield "offload", f"offload {plan.offload.value} → {o.value}", plan.replace(offload=o), fallbacks
     mb, ga = plan.micro_batch, plan.grad_accum
     if ga % 2 == 0:
-        yield "micro-batch", f"micro-batch ×2 ({mb} → {mb * 2}, grad-accum {ga} → {ga // 2})", \
-            plan.replace(micro_batch=mb * 2, grad_accum=ga // 2), []
+        yield (
+            "micro-batch",
+            f"micro-batch ×2 ({mb} → {mb * 2}, grad-accum {ga} → {ga // 2})",
+            plan.replace(micro_batch=mb * 2, grad_accum=ga // 2),
+            [],
+        )
     if mb % 2 == 0:
-        yield "micro-batch", f"micro-batch ÷2 ({mb} → {mb // 2}, grad-accum {ga} → {ga * 2})", \
-            plan.replace(micro_batch=mb // 2, grad_accum=ga * 2), []
+        yield (
+            "micro-batch",
+            f"micro-batch ÷2 ({mb} → {mb // 2}, grad-accum {ga} → {ga * 2})",
+            plan.replace(micro_batch=mb // 2, grad_accum=ga * 2),
+            [],
+        )
     ranks = [int(r) for r in _allowed_list(allowed, "lora_ranks", [16])]
     for m in _allowed_list(allowed, "methods", Method.values()):
         m = Method(m)
@@ -270,8 +306,12 @@ def _candidates(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | 
         if p is not plan.precision:
             yield "precision", f"precision {plan.precision.value} → {p.value}", plan.replace(precision=p), []
     if ctx.workload.lengths is not None:
-        yield "packing", f"packing {'on → off' if plan.packing else 'off → on'}", \
-            plan.replace(packing=not plan.packing), []
+        yield (
+            "packing",
+            f"packing {'on → off' if plan.packing else 'off → on'}",
+            plan.replace(packing=not plan.packing),
+            [],
+        )
 
 
 def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None = None) -> Effects:
@@ -305,6 +345,15 @@ def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[An
         seen.add(variant.plan_id)
         r = ev.evaluate(variant, ctx)
         ratio = r.tokens_per_sec / baseline.tokens_per_sec if baseline.tokens_per_sec else 0.0
-        toggles.append(Toggle(technique, label, variant, r, r.memory.device_total - base_mem,
-                              r.tokens_per_sec - baseline.tokens_per_sec, ratio))
+        toggles.append(
+            Toggle(
+                technique,
+                label,
+                variant,
+                r,
+                r.memory.device_total - base_mem,
+                r.tokens_per_sec - baseline.tokens_per_sec,
+                ratio,
+            )
+        )
     return Effects(baseline, tuple(toggles), tuple(skipped))

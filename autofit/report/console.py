@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -13,8 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autofit.results import COMPONENTS, TrialResult
-from autofit.specs import Target
-from autofit.specs import GPUSpec, ModelSpec
+from autofit.specs import GPUSpec, ModelSpec, Target
 
 GiB = 2**30
 PIPE_WIDTH = 160  # columns for tables written to a pipe or file (rich's default is 80)
@@ -104,40 +104,83 @@ def gpus_table(gpus: Iterable[GPUSpec]) -> Table:
         table.add_column(col, justify="left" if col in ("GPU", "link") else "right")
     for g in gpus:
         table.add_row(
-            g.name, f"{g.memory_gib:.1f}", f"{g.bf16_tflops:g}" if g.bf16_tflops else "-", f"{g.fp16_tflops:g}",
-            f"{g.tf32_tflops:g}" if g.tf32_tflops else "-", f"{g.fp32_tflops:g}", f"{g.memory_bw_gbps:g}",
-            g.intra_node_link, f"{g.intra_node_gbps:g}", f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+            g.name,
+            f"{g.memory_gib:.1f}",
+            f"{g.bf16_tflops:g}" if g.bf16_tflops else "-",
+            f"{g.fp16_tflops:g}",
+            f"{g.tf32_tflops:g}" if g.tf32_tflops else "-",
+            f"{g.fp32_tflops:g}",
+            f"{g.memory_bw_gbps:g}",
+            g.intra_node_link,
+            f"{g.intra_node_gbps:g}",
+            f"{g.compute_capability[0]}.{g.compute_capability[1]}",
         )
     return table
 
 
 def gpu_dict(g: GPUSpec) -> dict[str, Any]:
     return {
-        "name": g.name, "memory_bytes": g.memory_bytes, "bf16_tflops": g.bf16_tflops,
-        "fp16_tflops": g.fp16_tflops, "tf32_tflops": g.tf32_tflops, "fp32_tflops": g.fp32_tflops,
-        "memory_bw_gbps": g.memory_bw_gbps, "intra_node_link": g.intra_node_link,
-        "intra_node_gbps": g.intra_node_gbps, "host_link_gbps": g.host_link_gbps,
-        "compute_capability": list(g.compute_capability), "supports_bf16": g.supports_bf16,
-        "supports_flash2": g.supports_flash2, "source": g.source,
+        "name": g.name,
+        "memory_bytes": g.memory_bytes,
+        "bf16_tflops": g.bf16_tflops,
+        "fp16_tflops": g.fp16_tflops,
+        "tf32_tflops": g.tf32_tflops,
+        "fp32_tflops": g.fp32_tflops,
+        "memory_bw_gbps": g.memory_bw_gbps,
+        "intra_node_link": g.intra_node_link,
+        "intra_node_gbps": g.intra_node_gbps,
+        "host_link_gbps": g.host_link_gbps,
+        "compute_capability": list(g.compute_capability),
+        "supports_bf16": g.supports_bf16,
+        "supports_flash2": g.supports_flash2,
+        "source": g.source,
     }
 
 
 def models_table(models: Iterable[ModelSpec]) -> Table:
     table = Table(show_header=True, header_style="bold")
-    for col in ("model", "type", "params", "hidden", "layers", "heads", "kv", "head_dim", "inter", "vocab", "tied", "max pos"):
+    for col in (
+        "model",
+        "type",
+        "params",
+        "hidden",
+        "layers",
+        "heads",
+        "kv",
+        "head_dim",
+        "inter",
+        "vocab",
+        "tied",
+        "max pos",
+    ):
         table.add_column(col, justify="left" if col in ("model", "type") else "right")
     for m in models:
         table.add_row(
-            m.name, m.model_type, human_count(m.n_params), str(m.hidden_size), str(m.num_layers),
-            str(m.num_heads), str(m.num_kv_heads), str(m.head_dim), str(m.intermediate_size),
-            str(m.vocab_size), "yes" if m.tie_word_embeddings else "no", str(m.max_position_embeddings),
+            m.name,
+            m.model_type,
+            human_count(m.n_params),
+            str(m.hidden_size),
+            str(m.num_layers),
+            str(m.num_heads),
+            str(m.num_kv_heads),
+            str(m.head_dim),
+            str(m.intermediate_size),
+            str(m.vocab_size),
+            "yes" if m.tie_word_embeddings else "no",
+            str(m.max_position_embeddings),
         )
     return table
 
 
 # -- search ---------------------------------------------------------------------------------
-STATUS_STYLE = {"fits": "green", "oom": "red", "screened": "yellow", "pruned": "yellow", "failed": "magenta",
-                "timeout": "magenta"}
+STATUS_STYLE = {
+    "fits": "green",
+    "oom": "red",
+    "screened": "yellow",
+    "pruned": "yellow",
+    "failed": "magenta",
+    "timeout": "magenta",
+}
 
 
 def status_text(status: str) -> Text:
@@ -205,7 +248,7 @@ class SearchProgress:
         self.tally: dict[str, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def __enter__(self) -> "SearchProgress":
+    def __enter__(self) -> SearchProgress:
         self._t0 = time.monotonic()
         if self.live:  # stray prints to stdout/stderr land above the panel, not through it
             self._live = Live(console=self.console, get_renderable=self.panel, refresh_per_second=4, transient=True)
@@ -254,8 +297,13 @@ class SearchProgress:
 
     def _print(self, renderable: Any) -> None:
         # one permanent line; on a pipe never wrapped, so each trial stays one line in a log
-        self.console.print(renderable, highlight=False, soft_wrap=not self.live, no_wrap=self.live,
-                           overflow="ellipsis" if self.live else None)
+        self.console.print(
+            renderable,
+            highlight=False,
+            soft_wrap=not self.live,
+            no_wrap=self.live,
+            overflow="ellipsis" if self.live else None,
+        )
 
     # -- the search's events ------------------------------------------------------------------------
     def __call__(self, event: str, data: dict[str, Any]) -> None:
@@ -265,31 +313,47 @@ class SearchProgress:
             if data.get("best") is not None:
                 self.best = data["best"]
             resumed = f", resuming after {data['done']} trials" if data["done"] else ""
-            self._print(Text(f"study {self.study}: {ctx.model.name} on {ctx.cluster.label}, seq "
-                             f"{ctx.workload.seq_len}, global batch {ctx.workload.global_batch} · "
-                             f"{self.request.evaluator}, budget {self.budget} trials{resumed}"))
+            self._print(
+                Text(
+                    f"study {self.study}: {ctx.model.name} on {ctx.cluster.label}, seq "
+                    f"{ctx.workload.seq_len}, global batch {ctx.workload.global_batch} · "
+                    f"{self.request.evaluator}, budget {self.budget} trials{resumed}"
+                )
+            )
         elif event == "warm-start":
-            dropped = (f" ({data['dropped']} more predicted not to fit this workload)"
-                       if data.get("dropped") else "")
-            self._print(Text(f"warm start: the best {data['n']} stored plan(s) of this model on "
-                             f"{ctx.cluster.gpu.name} go first{dropped}"))
+            dropped = f" ({data['dropped']} more predicted not to fit this workload)" if data.get("dropped") else ""
+            self._print(
+                Text(
+                    f"warm start: the best {data['n']} stored plan(s) of this model on "
+                    f"{ctx.cluster.gpu.name} go first{dropped}"
+                )
+            )
         elif event == "screening":
             self.phase = "screening"
             self._print(Text("screening the whole space with the analytic model …"))
         elif event == "screened":
             self.phase = "searching"
-            self._print(Text(f"  {data['n']:,} plans, {data['fits']:,} predicted to fit; evaluating the most "
-                             f"promising with {self.request.evaluator}"))
+            self._print(
+                Text(
+                    f"  {data['n']:,} plans, {data['fits']:,} predicted to fit; evaluating the most "
+                    f"promising with {self.request.evaluator}"
+                )
+            )
         elif event == "trial-start":
             self.phase = "trial"
             self.current = (data["number"], data["plan"])
         elif event == "requeued":
             numbers = ", ".join(f"#{n}" for n in data["numbers"])
-            self._print(Text(f"cut short without a result (Ctrl-C, a dead worker, a lost connection): {numbers}; "
-                             "queued again", style="yellow"))
+            self._print(
+                Text(
+                    f"cut short without a result (Ctrl-C, a dead worker, a lost connection): {numbers}; queued again",
+                    style="yellow",
+                )
+            )
         elif event == "exhausted":
-            self._print(Text(f"every plan of the space is evaluated ({data['n']}); stopping before the budget",
-                             style="yellow"))
+            self._print(
+                Text(f"every plan of the space is evaluated ({data['n']}); stopping before the budget", style="yellow")
+            )
         elif event in ("trial-done", "trial-duplicate"):
             self.phase = "searching"
             r: TrialResult = data["result"]
@@ -299,15 +363,21 @@ class SearchProgress:
                 return
             self.done += 1
             self.tally[r.status.value] = self.tally.get(r.status.value, 0) + 1
-            line = Text("" if self.live else
-                        f"[{min(self.done, self.budget):>3d}/{self.budget} {_clock(self.elapsed):>5s}] ")
+            line = Text(
+                "" if self.live else f"[{min(self.done, self.budget):>3d}/{self.budget} {_clock(self.elapsed):>5s}] "
+            )
             line.append_text(trial_line(number, r))
             self._print(line)
             if r.fits and (self.best is None or r.tokens_per_sec > self.best.tokens_per_sec):
                 self.best, self.best_number = r, number
                 if not self.live:
-                    self._print(Text(f"      best so far: {r.tokens_per_sec:,.0f} tokens/s · "
-                                     f"{memory_of_capacity(r)} · {r.plan.summary()}", style="green"))
+                    self._print(
+                        Text(
+                            f"      best so far: {r.tokens_per_sec:,.0f} tokens/s · "
+                            f"{memory_of_capacity(r)} · {r.plan.summary()}",
+                            style="green",
+                        )
+                    )
 
 
 def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
@@ -332,9 +402,11 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
 
 def winner_line(best: TrialResult, ctx: Target) -> str:
     t, m = best.throughput, best.memory
-    return (f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
-            f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)}) · "
-            f"{m.bottleneck}")
+    return (
+        f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
+        f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)}) · "
+        f"{m.bottleneck}"
+    )
 
 
 def methods_table(standing, allowed_methods: Iterable[str]) -> Table:
@@ -343,8 +415,14 @@ def methods_table(standing, allowed_methods: Iterable[str]) -> Table:
     for col in ("method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"):
         table.add_column(col, justify="right" if col in ("device GiB", "tokens/s", "vs winner") else "left")
     for method, r in standing.best_per_method.items():
-        table.add_row(method, r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-                      f"{standing.speed_vs_best(r):.0%}" if best else "", r.memory.bottleneck)
+        table.add_row(
+            method,
+            r.plan.summary(),
+            gib(r.memory.device_total),
+            f"{r.tokens_per_sec:,.0f}",
+            f"{standing.speed_vs_best(r):.0%}" if best else "",
+            r.memory.bottleneck,
+        )
     for method in allowed_methods:
         if method not in standing.best_per_method:
             table.add_row(method, "[dim]nothing of this method fits[/dim]", "", "", "", "")
@@ -356,8 +434,14 @@ def runners_up_table(standing, k: int = 3) -> Table:
     for col in ("rank", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"):
         table.add_column(col, justify="right" if col in ("rank", "device GiB", "tokens/s", "vs winner") else "left")
     for i, r in enumerate(standing.runners_up(k), start=2):
-        table.add_row(f"#{i}", r.plan.summary(), gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-                      f"{standing.speed_vs_best(r):.1%}", r.memory.bottleneck)
+        table.add_row(
+            f"#{i}",
+            r.plan.summary(),
+            gib(r.memory.device_total),
+            f"{r.tokens_per_sec:,.0f}",
+            f"{standing.speed_vs_best(r):.1%}",
+            r.memory.bottleneck,
+        )
     return table
 
 
@@ -394,8 +478,10 @@ def print_answer(console: Console, standing, allowed_methods: Iterable[str], adv
         if standing.losses:
             console.print(losses_table(standing))
         return
-    console.print(f"\n[bold green]winner[/bold green]: [bold]{best.plan.summary()}[/bold]   "
-                  f"[dim](plan {best.plan.plan_id}, {best.evaluator})[/dim]")
+    console.print(
+        f"\n[bold green]winner[/bold green]: [bold]{best.plan.summary()}[/bold]   "
+        f"[dim](plan {best.plan.plan_id}, {best.evaluator})[/dim]"
+    )
     console.print(f"  {winner_line(best, ctx)}", highlight=False)
     console.print(anatomy_table(best, title="memory anatomy of the winner, per GPU"))
     console.print(methods_table(standing, allowed_methods))
@@ -412,8 +498,10 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
     if outcome.interrupted:
         console.print("[yellow]interrupted[/yellow]: finished trials are stored; continue with --resume")
     elif outcome.exhausted:
-        console.print(f"[yellow]the space is exhausted[/yellow]: all {len({r.plan.plan_id for r in outcome.results})} "
-                      f"plans of the space were evaluated, fewer than the budget of {request.trials}")
+        console.print(
+            f"[yellow]the space is exhausted[/yellow]: all {len({r.plan.plan_id for r in outcome.results})} "
+            f"plans of the space were evaluated, fewer than the budget of {request.trials}"
+        )
     print_answer(console, standing, [m.value for m in request.allowed.methods], outcome.advice)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")
@@ -422,38 +510,78 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
 # -- history -------------------------------------------------------------------------------
 def history_table(summaries) -> Table:
     table = Table(show_header=True, header_style="bold")
-    for col in ("id", "study", "model", "gpus", "seq", "batch", "evaluator", "status", "trials", "best plan", "tokens/s"):
+    for col in (
+        "id",
+        "study",
+        "model",
+        "gpus",
+        "seq",
+        "batch",
+        "evaluator",
+        "status",
+        "trials",
+        "best plan",
+        "tokens/s",
+    ):
         table.add_column(col, justify="right" if col in ("id", "seq", "batch", "trials", "tokens/s") else "left")
     for s in summaries:
         st = s.study
         table.add_row(
-            str(st.id), st.name, st.model_name, st.cluster_label, str(st.seq_len), str(st.global_batch), st.evaluator,
-            str(st.status), str(s.n_trials), s.best_plan.summary() if s.best_plan else "[dim]none fits[/dim]",
+            str(st.id),
+            st.name,
+            st.model_name,
+            st.cluster_label,
+            str(st.seq_len),
+            str(st.global_batch),
+            st.evaluator,
+            str(st.status),
+            str(s.n_trials),
+            s.best_plan.summary() if s.best_plan else "[dim]none fits[/dim]",
             f"{s.best_tokens_per_sec:,.0f}" if s.best_tokens_per_sec else "",
         )
     return table
 
 
 def study_header(st) -> str:
-    return (f"study [bold]{st.name}[/bold] (id {st.id}) · {st.model_name} on {st.cluster_label} · "
-            f"seq {st.seq_len} · global batch {st.global_batch} · {st.evaluator} · {st.status} · "
-            f"created {st.created_at:%Y-%m-%d %H:%M}")
+    return (
+        f"study [bold]{st.name}[/bold] (id {st.id}) · {st.model_name} on {st.cluster_label} · "
+        f"seq {st.seq_len} · global batch {st.global_batch} · {st.evaluator} · {st.status} · "
+        f"created {st.created_at:%Y-%m-%d %H:%M}"
+    )
 
 
 def trials_table(trials, best: TrialResult | None = None) -> Table:
     """Every evaluation of a study; the winner's row is marked ★."""
     table = Table(show_header=True, header_style="bold")
-    for col in ("#", "status", "evaluator", "plan", "device GiB", "of capacity", "peak_alloc GiB", "tokens/s",
-                "s/step", "bottleneck", "why it lost"):
-        table.add_column(col, justify="right" if col in ("#", "device GiB", "of capacity", "peak_alloc GiB",
-                                                         "tokens/s", "s/step") else "left")
+    for col in (
+        "#",
+        "status",
+        "evaluator",
+        "plan",
+        "device GiB",
+        "of capacity",
+        "peak_alloc GiB",
+        "tokens/s",
+        "s/step",
+        "bottleneck",
+        "why it lost",
+    ):
+        table.add_column(
+            col,
+            justify="right"
+            if col in ("#", "device GiB", "of capacity", "peak_alloc GiB", "tokens/s", "s/step")
+            else "left",
+        )
     for t in trials:
         r = t.result()
         m = r.memory
         winner = best is not None and r.plan.plan_id == best.plan.plan_id and r.evaluator == best.evaluator
         reason = why(r)
         table.add_row(
-            f"★{t.number}" if winner else str(t.number), status_text(r.status.value), r.evaluator, r.plan.summary(),
+            f"★{t.number}" if winner else str(t.number),
+            status_text(r.status.value),
+            r.evaluator,
+            r.plan.summary(),
             gib(m.device_total) if m else "",
             f"{m.device_total / r.capacity_bytes:.0%}" if m and r.capacity_bytes else "",
             gib(m.peak_allocated) if m else "",

@@ -17,9 +17,10 @@ import html
 import importlib.metadata
 import shlex
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from autofit.errors import AutofitError, ReportError
 from autofit.results import COMPONENTS, TOTALS, TrialResult
@@ -81,9 +82,16 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f}"
 
 
-def _table(table_id: str, caption: str, header: Sequence[str], rows: Iterable[Sequence[Any]],
-           numeric: Iterable[int] = (), raw: Iterable[int] = (), wrap: Iterable[int] = (),
-           winner_rows: Iterable[int] = ()) -> str:
+def _table(
+    table_id: str,
+    caption: str,
+    header: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    numeric: Iterable[int] = (),
+    raw: Iterable[int] = (),
+    wrap: Iterable[int] = (),
+    winner_rows: Iterable[int] = (),
+) -> str:
     """A titled HTML table; cells are escaped except the columns in ``raw`` (already HTML).
     Only the ``wrap`` columns (plans, reasons) may wrap; numbers are right-aligned."""
     numeric, raw, wrap, winner_rows = set(numeric), set(raw), set(wrap), set(winner_rows)
@@ -92,8 +100,10 @@ def _table(table_id: str, caption: str, header: Sequence[str], rows: Iterable[Se
         names = (["num"] if i in numeric else []) + (["wrap"] if i in wrap else [])
         return f' class="{" ".join(names)}"' if names else ""
 
-    out = [f'<h3 id="{table_id}-title">{_e(caption)}</h3><table id="{table_id}" '
-           f'aria-labelledby="{table_id}-title"><thead><tr>']
+    out = [
+        f'<h3 id="{table_id}-title">{_e(caption)}</h3><table id="{table_id}" '
+        f'aria-labelledby="{table_id}-title"><thead><tr>'
+    ]
     out += [f"<th{cls(i)}>{_e(h)}</th>" for i, h in enumerate(header)]
     out.append("</tr></thead><tbody>")
     for n, row in enumerate(rows):
@@ -153,8 +163,17 @@ def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[str]
     return rows
 
 
-def render_html(rec, ctx: Target, trials: Sequence[Any], standing, effects, plots: Sequence[Any],
-                configs: dict[str, str] | None, notes: Sequence[str], db_url: str) -> str:
+def render_html(
+    rec,
+    ctx: Target,
+    trials: Sequence[Any],
+    standing,
+    effects,
+    plots: Sequence[Any],
+    configs: dict[str, str] | None,
+    notes: Sequence[str],
+    db_url: str,
+) -> str:
     """The page. ``plots`` are PlotFiles (their PNGs are embedded); ``configs`` name -> text."""
     sections = (
         _header(rec, ctx, trials, standing),
@@ -191,21 +210,29 @@ def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
     best = standing.best
     if best is not None:
         t, m = best.throughput, best.memory
-        return [f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
-                f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
-                f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
-                f"(budget {_gib(ctx.budget_bytes)}) · {_e(m.bottleneck)} · evaluated by {_e(best.evaluator)} · "
-                f"plan {_e(best.plan.plan_id)}</p>"]
+        return [
+            f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
+            f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
+            f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
+            f"(budget {_gib(ctx.budget_bytes)}) · {_e(m.bottleneck)} · evaluated by {_e(best.evaluator)} · "
+            f"plan {_e(best.plan.plan_id)}</p>"
+        ]
     if not trials:
-        return [f'<p class="answer none" id="answer">This study has no evaluations yet ({_e(rec.status)}); '
-                f"continue it with <code>autofit search … --resume</code>.</p>"]
+        return [
+            f'<p class="answer none" id="answer">This study has no evaluations yet ({_e(rec.status)}); '
+            f"continue it with <code>autofit search … --resume</code>.</p>"
+        ]
     closest = standing.closest[0] if standing.closest else None
     extra = ""
     if closest is not None:
-        extra = (f"<br>Closest: <span class=plan>{_e(closest.plan.summary())}</span> needs "
-                 f"{_gib(closest.memory.device_total)} GiB per GPU ({_e(why(closest))})")
-    return [f'<p class="answer none" id="answer">No plan fits {_e(ctx.model.name)} on {_e(ctx.cluster.label)} '
-            f"at seq {ctx.workload.seq_len}.{extra}</p>"]
+        extra = (
+            f"<br>Closest: <span class=plan>{_e(closest.plan.summary())}</span> needs "
+            f"{_gib(closest.memory.device_total)} GiB per GPU ({_e(why(closest))})"
+        )
+    return [
+        f'<p class="answer none" id="answer">No plan fits {_e(ctx.model.name)} on {_e(ctx.cluster.label)} '
+        f"at seq {ctx.workload.seq_len}.{extra}</p>"
+    ]
 
 
 def _missing(notes: Sequence[str], section: str) -> list[str]:
@@ -218,21 +245,25 @@ def _figures(plots: Sequence[Any], notes: Sequence[str]) -> list[str]:
     parts = ['<h2 id="plots">Plots</h2>']
     for plot in plots:
         data = base64.b64encode(Path(plot.png).read_bytes()).decode("ascii")
-        parts.append(f'<figure id="figure-{_e(plot.name)}"><img id="plot-{_e(plot.name)}" alt="{_e(plot.title)}" '
-                     f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} · files beside this page: '
-                     f'<a href="{_e(plot.png.name)}">{_e(plot.png.name)}</a>, '
-                     f'<a href="{_e(plot.svg.name)}">{_e(plot.svg.name)}</a></figcaption></figure>')
+        parts.append(
+            f'<figure id="figure-{_e(plot.name)}"><img id="plot-{_e(plot.name)}" alt="{_e(plot.title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} · files beside this page: '
+            f'<a href="{_e(plot.png.name)}">{_e(plot.png.name)}</a>, '
+            f'<a href="{_e(plot.svg.name)}">{_e(plot.svg.name)}</a></figcaption></figure>'
+        )
     return parts + _missing(notes, "plots")
 
 
 def _tables(rec, ctx: Target, trials: Sequence[Any], standing, effects) -> list[str]:
     """The tables: anatomy, the standing of the methods, the losses, technique effects, every trial."""
-    return ['<h2 id="tables">Tables</h2>',
-            *_anatomy_table(ctx, standing),
-            *_method_tables(rec, standing),
-            *_losses_table(standing),
-            *_effects_table(effects),
-            _trials_table(trials, standing.best)]
+    return [
+        '<h2 id="tables">Tables</h2>',
+        *_anatomy_table(ctx, standing),
+        *_method_tables(rec, standing),
+        *_losses_table(standing),
+        *_effects_table(effects),
+        _trials_table(trials, standing.best),
+    ]
 
 
 def _anatomy_table(ctx: Target, standing) -> list[str]:
@@ -245,8 +276,16 @@ def _anatomy_table(ctx: Target, standing) -> list[str]:
     for r in g.results:
         header += [f"{r.evaluator} GiB", "share"]
     what = "winner" if standing.best is not None else "closest plan"
-    return [_table("anatomy", f"Memory anatomy of the {what}, per GPU: {g.plan.summary()}", header,
-                   _anatomy_rows(g.results, ctx), numeric=range(1, len(header)), raw=[0])]
+    return [
+        _table(
+            "anatomy",
+            f"Memory anatomy of the {what}, per GPU: {g.plan.summary()}",
+            header,
+            _anatomy_rows(g.results, ctx),
+            numeric=range(1, len(header)),
+            raw=[0],
+        )
+    ]
 
 
 def _method_tables(rec, standing) -> list[str]:
@@ -254,20 +293,50 @@ def _method_tables(rec, standing) -> list[str]:
     if standing.best is None:
         return []
     allowed = rec.allowed.get("methods") or []
-    rows = [[method, r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-             f"{standing.speed_vs_best(r):.0%}", r.memory.bottleneck]
-            for method, r in standing.best_per_method.items()]
-    rows += [[m, "nothing of this method fits", "", "", "", ""] for m in allowed
-             if m not in standing.best_per_method]
-    parts = [_table("best-per-method", "Best plan per method",
-                    ["method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"], rows, numeric=[2, 3, 4],
-                    wrap=[1])]
-    rows = [[f"#{i}", r.plan.summary(), _gib(r.memory.device_total), f"{r.tokens_per_sec:,.0f}",
-             f"{standing.speed_vs_best(r):.1%}", r.memory.bottleneck]
-            for i, r in enumerate(standing.runners_up(), start=2)]
+    rows = [
+        [
+            method,
+            r.plan.summary(),
+            _gib(r.memory.device_total),
+            f"{r.tokens_per_sec:,.0f}",
+            f"{standing.speed_vs_best(r):.0%}",
+            r.memory.bottleneck,
+        ]
+        for method, r in standing.best_per_method.items()
+    ]
+    rows += [[m, "nothing of this method fits", "", "", "", ""] for m in allowed if m not in standing.best_per_method]
+    parts = [
+        _table(
+            "best-per-method",
+            "Best plan per method",
+            ["method", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"],
+            rows,
+            numeric=[2, 3, 4],
+            wrap=[1],
+        )
+    ]
+    rows = [
+        [
+            f"#{i}",
+            r.plan.summary(),
+            _gib(r.memory.device_total),
+            f"{r.tokens_per_sec:,.0f}",
+            f"{standing.speed_vs_best(r):.1%}",
+            r.memory.bottleneck,
+        ]
+        for i, r in enumerate(standing.runners_up(), start=2)
+    ]
     if rows:
-        parts.append(_table("runners-up", "Runners-up", ["rank", "plan", "device GiB", "tokens/s", "vs winner",
-                                                         "bottleneck"], rows, numeric=[0, 2, 3, 4], wrap=[1]))
+        parts.append(
+            _table(
+                "runners-up",
+                "Runners-up",
+                ["rank", "plan", "device GiB", "tokens/s", "vs winner", "bottleneck"],
+                rows,
+                numeric=[0, 2, 3, 4],
+                wrap=[1],
+            )
+        )
     return parts
 
 
@@ -278,8 +347,17 @@ def _losses_table(standing) -> list[str]:
     if not standing.losses:
         return []
     rows = [[_status(loss.status), loss.count, *map(_e, loss_text(loss, standing))] for loss in standing.losses]
-    return [_table("losses", "Why the others lost", ["status", "plans", "most common reason", "closest to winning"],
-                   rows, numeric=[1], raw=[0, 2, 3], wrap=[2, 3])]
+    return [
+        _table(
+            "losses",
+            "Why the others lost",
+            ["status", "plans", "most common reason", "closest to winning"],
+            rows,
+            numeric=[1],
+            raw=[0, 2, 3],
+            wrap=[2, 3],
+        )
+    ]
 
 
 def _effects_table(effects) -> list[str]:
@@ -287,18 +365,35 @@ def _effects_table(effects) -> list[str]:
     if effects is None or not effects.toggles:
         return []
     b = effects.baseline
-    rows = [[t.label, "yes" if t.result.fits else "no", _gib(t.result.memory.device_total),
-             f"{t.memory_delta / GiB:+.2f}", f"{t.result.tokens_per_sec:,.0f}",
-             f"{(t.speed_ratio - 1) * 100:+.1f}%",
-             t.result.memory.bottleneck] for t in effects.toggles]
-    parts = [_table("technique-effects", f"One technique at a time from {b.plan.summary()} (analytic: "
-                    f"{_gib(b.memory.device_total)} GiB, {b.tokens_per_sec:,.0f} tokens/s)",
-                    ["change", "fits", "device GiB", "Δ GiB", "tokens/s", "Δ tokens/s", "bottleneck"], rows,
-                    numeric=[2, 3, 4, 5], wrap=[0])]
+    rows = [
+        [
+            t.label,
+            "yes" if t.result.fits else "no",
+            _gib(t.result.memory.device_total),
+            f"{t.memory_delta / GiB:+.2f}",
+            f"{t.result.tokens_per_sec:,.0f}",
+            f"{(t.speed_ratio - 1) * 100:+.1f}%",
+            t.result.memory.bottleneck,
+        ]
+        for t in effects.toggles
+    ]
+    parts = [
+        _table(
+            "technique-effects",
+            f"One technique at a time from {b.plan.summary()} (analytic: "
+            f"{_gib(b.memory.device_total)} GiB, {b.tokens_per_sec:,.0f} tokens/s)",
+            ["change", "fits", "device GiB", "Δ GiB", "tokens/s", "Δ tokens/s", "bottleneck"],
+            rows,
+            numeric=[2, 3, 4, 5],
+            wrap=[0],
+        )
+    ]
     if effects.skipped:
         items = "".join(f"<li>{_e(label)}: {_e('; '.join(problems))}</li>" for label, problems in effects.skipped)
-        parts.append(f'<details id="skipped-toggles"><summary>Changes that are not valid plans '
-                     f"({len(effects.skipped)})</summary><ul>{items}</ul></details>")
+        parts.append(
+            f'<details id="skipped-toggles"><summary>Changes that are not valid plans '
+            f"({len(effects.skipped)})</summary><ul>{items}</ul></details>"
+        )
     return parts
 
 
@@ -313,24 +408,55 @@ def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> str:
         winner = best is not None and r.plan.plan_id == best.plan.plan_id and r.evaluator == best.evaluator
         if winner:
             winners.append(n)
-        rows.append([f"★ {t.number}" if winner else t.number, _status(r.status.value), r.evaluator, r.plan.summary(),
-                     _gib(m.device_total) if m else "", _gib(m.peak_allocated) if m else "",
-                     f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "",
-                     f"{r.throughput.step_time_s:.2f}" if r.throughput else "", m.bottleneck if m else "", why(r)])
-    return _table("trials", f"Every evaluation ({len(trials)})",
-                  ["#", "status", "evaluator", "plan", "device GiB", "peak_alloc GiB", "tokens/s", "s/step",
-                   "bottleneck", "why it lost"], rows, numeric=[0, 4, 5, 6, 7], raw=[1], wrap=[3, 9],
-                  winner_rows=winners)
+        rows.append(
+            [
+                f"★ {t.number}" if winner else t.number,
+                _status(r.status.value),
+                r.evaluator,
+                r.plan.summary(),
+                _gib(m.device_total) if m else "",
+                _gib(m.peak_allocated) if m else "",
+                f"{r.tokens_per_sec:,.0f}" if r.tokens_per_sec else "",
+                f"{r.throughput.step_time_s:.2f}" if r.throughput else "",
+                m.bottleneck if m else "",
+                why(r),
+            ]
+        )
+    return _table(
+        "trials",
+        f"Every evaluation ({len(trials)})",
+        [
+            "#",
+            "status",
+            "evaluator",
+            "plan",
+            "device GiB",
+            "peak_alloc GiB",
+            "tokens/s",
+            "s/step",
+            "bottleneck",
+            "why it lost",
+        ],
+        rows,
+        numeric=[0, 4, 5, 6, 7],
+        raw=[1],
+        wrap=[3, 9],
+        winner_rows=winners,
+    )
 
 
 def _config_files(rec, configs: dict[str, str] | None, notes: Sequence[str]) -> list[str]:
     """The winner's exported config files inline, or why they are missing."""
     parts = ['<h2 id="configs">Config files of the winner</h2>']
     if configs:
-        parts.append(f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
-                     "launch them unchanged.</p>")
-        parts += [f'<details open class="config"><summary>{_e(name)}</summary>'
-                  f"<pre><code>{_e(text)}</code></pre></details>" for name, text in configs.items()]
+        parts.append(
+            f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
+            "launch them unchanged.</p>"
+        )
+        parts += [
+            f'<details open class="config"><summary>{_e(name)}</summary><pre><code>{_e(text)}</code></pre></details>'
+            for name, text in configs.items()
+        ]
     return parts + _missing(notes, "configs")
 
 
@@ -350,9 +476,11 @@ def _looking_further(rec, db_url: str) -> list[str]:
 
 def optuna_commands(rec, db_url: str) -> str:
     """Shell commands to look further; the stored names are quoted (a name is never code)."""
-    return (f"autofit show {shlex.quote(rec.name)}\n"
-            f"optuna-dashboard '{db_url}'   # pip install optuna-dashboard; open http://127.0.0.1:8080\n"
-            f"optuna trials --study-name {shlex.quote(rec.optuna_study_name or '')} --storage '{db_url}'")
+    return (
+        f"autofit show {shlex.quote(rec.name)}\n"
+        f"optuna-dashboard '{db_url}'   # pip install optuna-dashboard; open http://127.0.0.1:8080\n"
+        f"optuna trials --study-name {shlex.quote(rec.optuna_study_name or '')} --storage '{db_url}'"
+    )
 
 
 def _configs(best: TrialResult, ctx: Target) -> tuple[dict[str, str] | None, str | None]:
@@ -407,5 +535,6 @@ def write_report(store, study: str | int, out_dir: str | Path) -> ReportFiles:
         path.write_text(page, encoding="utf-8")
     except OSError as exc:
         raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return ReportFiles(rec.name, out, path, tuple(plots), tuple(configs or ()), tuple(notes), standing.best,
-                       standing, effects)
+    return ReportFiles(
+        rec.name, out, path, tuple(plots), tuple(configs or ()), tuple(notes), standing.best, standing, effects
+    )

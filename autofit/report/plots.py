@@ -9,9 +9,10 @@ anatomy component is fixed here and used by every figure and by the HTML report.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from autofit.results import COMPONENTS, fidelity
 
@@ -43,7 +44,11 @@ STATUS_STYLE = {  # status -> (colour, marker)
 }
 CAPACITY_COLOR = "#B00020"
 BUDGET_COLOR = "#6A3D9A"
-EVALUATOR_HATCH = {"analytic": "", "simulated": "..", "measured": "//"}  # one per evaluator of autofit.results.EVALUATORS
+EVALUATOR_HATCH = {
+    "analytic": "",
+    "simulated": "..",
+    "measured": "//",
+}  # one per evaluator of autofit.results.EVALUATORS
 
 PLOTS = {  # file stem -> what it shows
     "memory-anatomy": "Memory anatomy of the winner and the runners-up",
@@ -74,16 +79,17 @@ def _wrap(text: str, width: int = 30) -> str:
     return "\n".join(textwrap.wrap(text, width=width, break_long_words=False)) or text
 
 
-def _capacity_lines(ax, ctx: "Target", horizontal: bool = True) -> None:
+def _capacity_lines(ax, ctx: Target, horizontal: bool = True) -> None:
     line = ax.axhline if horizontal else ax.axvline
     cap, budget = ctx.capacity_bytes / GiB, ctx.budget_bytes / GiB
     line(cap, color=CAPACITY_COLOR, lw=1.4, label=f"{ctx.cluster.gpu.name} capacity {cap:.1f} GiB")
-    line(budget, color=BUDGET_COLOR, lw=1.2, ls="--",
-         label=f"fit budget {budget:.1f} GiB ({ctx.headroom:.0%} headroom)")
+    line(
+        budget, color=BUDGET_COLOR, lw=1.2, ls="--", label=f"fit budget {budget:.1f} GiB ({ctx.headroom:.0%} headroom)"
+    )
 
 
 # -- (a) memory anatomy --------------------------------------------------------------------------
-def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "Target") -> "Figure":
+def anatomy_figure(groups: Sequence[AnatomyGroup], ctx: Target) -> Figure:
     """Stacked bars of the seven components per plan, every evaluation of a plan side by
     side (prediction, measurement), against the GPU's capacity and the fit budget."""
     matplotlib, Figure = _mpl()
@@ -96,16 +102,23 @@ def anatomy_figure(groups: Sequence["AnatomyGroup"], ctx: "Target") -> "Figure":
         ax.set_xticks(range(len(groups)), [f"{g.role}\n{_wrap(g.plan.summary())}" for g in groups], fontsize=7.5)
         ax.tick_params(axis="x", pad=16 if any(len(g.results) > 1 for g in groups) else 4)
         ax.set_ylabel("GiB per GPU (device_total)")
-        ax.set_ylim(0, max([ctx.capacity_bytes / GiB * 1.08] + [
-            r.memory.device_total / GiB * 1.15 for g in groups for r in g.results]))
+        ax.set_ylim(
+            0,
+            max(
+                [ctx.capacity_bytes / GiB * 1.08]
+                + [r.memory.device_total / GiB * 1.15 for g in groups for r in g.results]
+            ),
+        )
         ax.set_xlim(-0.6, len(groups) - 0.4)
-        ax.set_title(f"Memory anatomy per GPU: {ctx.model.name} on {ctx.cluster.label}, "
-                     f"seq {ctx.workload.seq_len}, global batch {ctx.workload.global_batch}")
+        ax.set_title(
+            f"Memory anatomy per GPU: {ctx.model.name} on {ctx.cluster.label}, "
+            f"seq {ctx.workload.seq_len}, global batch {ctx.workload.global_batch}"
+        )
         _anatomy_legend(ax, groups)
     return fig
 
 
-def _anatomy_bars(ax, gi: int, group: "AnatomyGroup") -> None:
+def _anatomy_bars(ax, gi: int, group: AnatomyGroup) -> None:
     """The stacked bars of one plan at x = ``gi``: one bar per evaluation, each annotated with
     its total (host memory, the status where it does not fit) and, where several, its evaluator."""
     n = len(group.results)
@@ -115,23 +128,49 @@ def _anatomy_bars(ax, gi: int, group: "AnatomyGroup") -> None:
         bottom = 0.0
         for comp in COMPONENTS:
             value = getattr(r.memory, comp) / GiB
-            ax.bar(x, value, width * 0.92, bottom=bottom, color=COMPONENT_COLORS[comp],
-                   hatch=EVALUATOR_HATCH[r.evaluator], edgecolor="white", linewidth=0.4,
-                   label=comp if (gi, ri) == (0, 0) else None, gid=f"bar-{gi}-{r.evaluator}-{comp}")
+            ax.bar(
+                x,
+                value,
+                width * 0.92,
+                bottom=bottom,
+                color=COMPONENT_COLORS[comp],
+                hatch=EVALUATOR_HATCH[r.evaluator],
+                edgecolor="white",
+                linewidth=0.4,
+                label=comp if (gi, ri) == (0, 0) else None,
+                gid=f"bar-{gi}-{r.evaluator}-{comp}",
+            )
             bottom += value
         note = f"{r.memory.device_total / GiB:.2f}"
         if r.memory.host_bytes:
             note += f"\nhost {r.memory.host_bytes / GiB:.0f} GiB"
         if not r.fits:
             note += f"\n{r.status.value}"
-        ax.annotate(note, (x, bottom), xytext=(0, 2), textcoords="offset points", ha="center",
-                    va="bottom", fontsize=7.5, color="#222222" if r.fits else CAPACITY_COLOR)
+        ax.annotate(
+            note,
+            (x, bottom),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7.5,
+            color="#222222" if r.fits else CAPACITY_COLOR,
+        )
         if n > 1:
-            ax.annotate(r.evaluator, (x, 0), xytext=(0, -11), textcoords="offset points", ha="center",
-                        va="top", fontsize=7, color="#444444", annotation_clip=False)
+            ax.annotate(
+                r.evaluator,
+                (x, 0),
+                xytext=(0, -11),
+                textcoords="offset points",
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="#444444",
+                annotation_clip=False,
+            )
 
 
-def _anatomy_legend(ax, groups: Sequence["AnatomyGroup"]) -> None:
+def _anatomy_legend(ax, groups: Sequence[AnatomyGroup]) -> None:
     """The components, and, where plans were evaluated more than one way, the hatch of each evaluator."""
 
     handles, labels = ax.get_legend_handles_labels()
@@ -146,7 +185,7 @@ def _anatomy_legend(ax, groups: Sequence["AnatomyGroup"]) -> None:
 
 
 # -- (b) memory vs tokens/s ----------------------------------------------------------------------
-def tradeoff_figure(standing: "Standing") -> "Figure":
+def tradeoff_figure(standing: Standing) -> Figure:
     """Every trial's device memory against its tokens/s, the fit boundary and the Pareto front."""
     matplotlib, Figure = _mpl()
     ctx = standing.ctx
@@ -160,20 +199,53 @@ def tradeoff_figure(standing: "Standing") -> "Figure":
         for status, (color, marker) in STATUS_STYLE.items():
             pts = [r for r in plotted if r.status.value == status]
             if pts:
-                ax.scatter([r.memory.device_total / GiB for r in pts], [r.tokens_per_sec for r in pts], s=28,
-                           c=color, marker=marker, alpha=0.85, linewidths=0.5, label=f"{status} ({len(pts)})",
-                           gid=f"trials-{status}")
+                ax.scatter(
+                    [r.memory.device_total / GiB for r in pts],
+                    [r.tokens_per_sec for r in pts],
+                    s=28,
+                    c=color,
+                    marker=marker,
+                    alpha=0.85,
+                    linewidths=0.5,
+                    label=f"{status} ({len(pts)})",
+                    gid=f"trials-{status}",
+                )
         if standing.pareto:
             xs = [r.memory.device_total / GiB for r in standing.pareto]
             ys = [r.tokens_per_sec for r in standing.pareto]
-            ax.plot(xs, ys, drawstyle="steps-post", color="#222222", lw=1.2, marker="D", ms=4,
-                    label=f"Pareto front ({len(xs)})", gid="pareto")
+            ax.plot(
+                xs,
+                ys,
+                drawstyle="steps-post",
+                color="#222222",
+                lw=1.2,
+                marker="D",
+                ms=4,
+                label=f"Pareto front ({len(xs)})",
+                gid="pareto",
+            )
         best = standing.best
         if best is not None:
-            ax.scatter([best.memory.device_total / GiB], [best.tokens_per_sec], s=220, marker="*", c="#F0E442",
-                       edgecolors="#222222", linewidths=0.8, zorder=5, label="winner", gid="winner")
-            ax.annotate(_wrap(best.plan.summary(), 40), (best.memory.device_total / GiB, best.tokens_per_sec),
-                        xytext=(10, -4), textcoords="offset points", fontsize=7, va="top")
+            ax.scatter(
+                [best.memory.device_total / GiB],
+                [best.tokens_per_sec],
+                s=220,
+                marker="*",
+                c="#F0E442",
+                edgecolors="#222222",
+                linewidths=0.8,
+                zorder=5,
+                label="winner",
+                gid="winner",
+            )
+            ax.annotate(
+                _wrap(best.plan.summary(), 40),
+                (best.memory.device_total / GiB, best.tokens_per_sec),
+                xytext=(10, -4),
+                textcoords="offset points",
+                fontsize=7,
+                va="top",
+            )
         xmin = min([ctx.budget_bytes / GiB] + [r.memory.device_total / GiB for r in plotted])
         if xmax / max(xmin, 1e-3) > 20:  # a few huge plans would squash the ones that matter
             ax.set_xscale("log")
@@ -191,7 +263,7 @@ def tradeoff_figure(standing: "Standing") -> "Figure":
 
 
 # -- (c) technique effects -----------------------------------------------------------------------
-def effects_figure(effects: "Effects", ctx: "Target", subject: str = "the winner") -> "Figure":
+def effects_figure(effects: Effects, ctx: Target, subject: str = "the winner") -> Figure:
     """One bar pair per toggled technique: Δ device memory (GiB) and Δ tokens/s (%)."""
     matplotlib, Figure = _mpl()
     toggles = effects.toggles
@@ -212,25 +284,45 @@ def effects_figure(effects: "Effects", ctx: "Target", subject: str = "the winner
         for ax, values, fmt in ((ax_mem, mem, "{:+.2f} GiB"), (ax_speed, speed, "{:+.1f}%")):
             ax.axvline(0, color="#222222", lw=0.8)
             for y, v in zip(ys, values):
-                ax.annotate(fmt.format(v), (v, y), xytext=(3 if v >= 0 else -3, 0), textcoords="offset points",
-                            ha="left" if v >= 0 else "right", va="center", fontsize=7)
+                ax.annotate(
+                    fmt.format(v),
+                    (v, y),
+                    xytext=(3 if v >= 0 else -3, 0),
+                    textcoords="offset points",
+                    ha="left" if v >= 0 else "right",
+                    va="center",
+                    fontsize=7,
+                )
             lo, hi = min(values + [0.0]), max(values + [0.0])
             span = hi - lo or 1.0
             ax.set_xlim(lo - (0.5 if lo < 0 else 0.1) * span, hi + (0.4 if hi > 0 else 0.1) * span)
         headroom = (ctx.budget_bytes - effects.baseline.memory.device_total) / GiB
         ax_mem.axvline(headroom, color=BUDGET_COLOR, lw=1.0, ls="--")
-        ax_mem.annotate("fit budget", (headroom, 1.0), xycoords=("data", "axes fraction"), xytext=(-3, -2),
-                        textcoords="offset points", ha="right", va="top", fontsize=7, color=BUDGET_COLOR)
+        ax_mem.annotate(
+            "fit budget",
+            (headroom, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, -2),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            fontsize=7,
+            color=BUDGET_COLOR,
+        )
         ax_mem.set_xlim(min(ax_mem.get_xlim()[0], headroom * 1.1), max(ax_mem.get_xlim()[1], headroom * 1.1))
         ax_mem.set_yticks(ys, labels, fontsize=8)
         b = effects.baseline
-        ax_mem.set_xlabel(f"Δ GiB per GPU (baseline {b.memory.device_total / GiB:.2f} GiB; "
-                          f"budget {ctx.budget_bytes / GiB:.1f} GiB)")
+        ax_mem.set_xlabel(
+            f"Δ GiB per GPU (baseline {b.memory.device_total / GiB:.2f} GiB; budget {ctx.budget_bytes / GiB:.1f} GiB)"
+        )
         ax_speed.set_xlabel(f"Δ tokens/s, % (baseline {b.tokens_per_sec:,.0f} tokens/s)")
         ax_mem.set_title("memory")
         ax_speed.set_title("speed")
-        fig.suptitle(f"One technique at a time from {subject} ({ctx.model.name} on {ctx.cluster.label}, analytic):\n"
-                     f"{b.plan.summary()}", fontsize=9)
+        fig.suptitle(
+            f"One technique at a time from {subject} ({ctx.model.name} on {ctx.cluster.label}, analytic):\n"
+            f"{b.plan.summary()}",
+            fontsize=9,
+        )
     return fig
 
 
@@ -246,7 +338,7 @@ class PlotFile:
         return {"name": self.name, "title": self.title, "png": str(self.png), "svg": str(self.svg)}
 
 
-def save(fig: "Figure", out_dir: str | Path, name: str, dpi: int = 110) -> PlotFile:
+def save(fig: Figure, out_dir: str | Path, name: str, dpi: int = 110) -> PlotFile:
     """Write ``name.png`` and ``name.svg``; both carry no date, so reruns give the same files."""
     matplotlib, _ = _mpl()
     out = Path(out_dir)
@@ -258,7 +350,7 @@ def save(fig: "Figure", out_dir: str | Path, name: str, dpi: int = 110) -> PlotF
     return PlotFile(name, PLOTS.get(name, name), png, svg)
 
 
-def write_plots(standing: "Standing", effects: "Effects | None", out_dir: str | Path) -> list[PlotFile]:
+def write_plots(standing: Standing, effects: Effects | None, out_dir: str | Path) -> list[PlotFile]:
     """The three figures of a study as PNG + SVG files in ``out_dir``."""
     files = []
     groups = standing.anatomy_subjects()

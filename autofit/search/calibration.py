@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from autofit.results import COMPONENTS, MemoryAnatomy, Status, TrialResult, judge
 from autofit.specs import Target
@@ -57,23 +57,32 @@ class Calibration:
         peak_allocated = sum(comps.values())
         device_total = max(int(m.device_total * f.get("device_total", 1.0)), peak_allocated)
         reserved = min(device_total, peak_allocated + (m.peak_reserved - m.peak_allocated))
-        memory = MemoryAnatomy(**comps, overhead=device_total - peak_allocated, peak_allocated=peak_allocated,
-                               peak_reserved=reserved, device_total=device_total, host_bytes=m.host_bytes)
+        memory = MemoryAnatomy(
+            **comps,
+            overhead=device_total - peak_allocated,
+            peak_allocated=peak_allocated,
+            peak_reserved=reserved,
+            device_total=device_total,
+            host_bytes=m.host_bytes,
+        )
         t = result.throughput
         throughput = t
         if t is not None and "tokens_per_sec" in f:
             k = f["tokens_per_sec"]
-            throughput = dataclasses.replace(t, tokens_per_sec=t.tokens_per_sec * k, step_time_s=t.step_time_s / k,
-                                             mfu=t.mfu * k)
+            throughput = dataclasses.replace(
+                t, tokens_per_sec=t.tokens_per_sec * k, step_time_s=t.step_time_s / k, mfu=t.mfu * k
+            )
         status, reason = result.status, result.reason
         if status in (Status.FITS, Status.OOM):
             status, reason = judge(memory, ctx)
-        extra = {**result.extra,
-                 "raw": {"memory": m.as_dict(), "throughput": t.as_dict() if t else None,
-                         "status": result.status.value},
-                 "calibration": {"gpu": self.gpu, "n_pairs": self.n_pairs, "factors": self.factors}}
-        return dataclasses.replace(result, status=status, reason=reason, memory=memory, throughput=throughput,
-                                   extra=extra)
+        extra = {
+            **result.extra,
+            "raw": {"memory": m.as_dict(), "throughput": t.as_dict() if t else None, "status": result.status.value},
+            "calibration": {"gpu": self.gpu, "n_pairs": self.n_pairs, "factors": self.factors},
+        }
+        return dataclasses.replace(
+            result, status=status, reason=reason, memory=memory, throughput=throughput, extra=extra
+        )
 
 
 def learn(pairs: Iterable[tuple[TrialResult, TrialResult]], gpu: str, evaluator: str) -> Calibration | None:

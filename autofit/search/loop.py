@@ -37,19 +37,20 @@ import dataclasses
 import secrets
 import time
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from autofit.search import calibration
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.specs import Target
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, authoritative, ranked
 from autofit.evaluators.base import StepReport
 from autofit.plan import Method, Plan
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, authoritative, ranked
+from autofit.search import calibration
 from autofit.search.space import Allowed, SearchSpace
+from autofit.specs import Target
 
 DEFAULT_TRIALS = {"analytic": 40, "simulated": 8, "measured": 12}
 ENQUEUE_MAX = 6
@@ -185,8 +186,11 @@ class _Objective:
             ev: (calibration.from_store(store, gpu, ev) if request.calibrate else None)
             for ev in ("analytic", "simulated")
         }
-        self.evaluator = (None if request.evaluator == "analytic"
-                          else get_evaluator(request.evaluator, **dict(request.evaluator_options)))
+        self.evaluator = (
+            None
+            if request.evaluator == "analytic"
+            else get_evaluator(request.evaluator, **dict(request.evaluator_options))
+        )
         self._by_prediction: list[tuple[dict[str, Any], str]] | None = None
 
     def __call__(self, trial) -> float:
@@ -219,8 +223,9 @@ class _Objective:
         if self.evaluator is None:
             result = predicted
         elif not _may_fit(predicted, ctx, SCREEN_MARGIN.get(self.request.evaluator, 0.0)):
-            result = dataclasses.replace(predicted, status=Status.SCREENED,
-                                         reason=f"predicted not to fit: {predicted.reason}")
+            result = dataclasses.replace(
+                predicted, status=Status.SCREENED, reason=f"predicted not to fit: {predicted.reason}"
+            )
         else:
             result = self._calibrated(self.evaluator.evaluate(plan, ctx, on_step=self._reporter(trial)))
             # the stored pair: this evaluation beside the estimate it was screened by
@@ -257,12 +262,16 @@ def _in_flight(study, exclude: int | None = None) -> set[str]:
     """Plans of the trials being evaluated now (any worker), from the ``plan_id`` each marks first."""
     from optuna.trial import TrialState
 
-    return {t.user_attrs["plan_id"] for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if t.number != exclude and "plan_id" in t.user_attrs}
+    return {
+        t.user_attrs["plan_id"]
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if t.number != exclude and "plan_id" in t.user_attrs
+    }
 
 
-def measurable(scored: list[tuple[dict[str, Any], TrialResult]],
-               request: SearchRequest) -> list[tuple[dict[str, Any], TrialResult]]:
+def measurable(
+    scored: list[tuple[dict[str, Any], TrialResult]], request: SearchRequest
+) -> list[tuple[dict[str, Any], TrialResult]]:
     """What is worth enqueuing: for a measured study, only plans the measured evaluator can
     run on the target (``measured.not_measurable``: e.g. a paged optimizer on the CPU target);
     such a plan would spend a trial of the budget on a ``failed`` result."""
@@ -281,8 +290,9 @@ def _may_fit(predicted: TrialResult, ctx: Target, margin: float) -> bool:
     m = predicted.memory
     if m is None or margin <= 0:
         return False
-    return (m.device_total <= ctx.budget_bytes * (1 + margin)
-            and m.host_bytes <= ctx.cluster.host_memory_bytes * (1 + margin))
+    return m.device_total <= ctx.budget_bytes * (1 + margin) and m.host_bytes <= ctx.cluster.host_memory_bytes * (
+        1 + margin
+    )
 
 
 def _prediction(predicted: TrialResult) -> dict[str, Any]:
@@ -323,13 +333,27 @@ def request_from_study(rec) -> SearchRequest:
     and the measured evaluator enforces the target's capacity, as in the process that created it."""
     b = rec.budget or {}
     options = dict(b.get("evaluator") or {})
-    return SearchRequest(ctx=rec.context(), allowed=Allowed.from_dict(rec.allowed), evaluator=rec.evaluator,
-                         trials=int(b.get("trials", 1)), timeout_s=b.get("timeout_s"), seed=int(b.get("seed", 0)),
-                         evaluator_options=options if rec.evaluator == "measured" else {})
+    return SearchRequest(
+        ctx=rec.context(),
+        allowed=Allowed.from_dict(rec.allowed),
+        evaluator=rec.evaluator,
+        trials=int(b.get("trials", 1)),
+        timeout_s=b.get("timeout_s"),
+        seed=int(b.get("seed", 0)),
+        evaluator_options=options if rec.evaluator == "measured" else {},
+    )
 
 
-def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
-                   study_name: str | None = None, progress: Progress | None = None, warm: bool = True):
+def prepare_search(
+    request: SearchRequest,
+    store,
+    *,
+    fresh: bool = False,
+    resume: bool = False,
+    study_name: str | None = None,
+    progress: Progress | None = None,
+    warm: bool = True,
+):
     """The study to work on: an identical finished one (answer from the store), the one to
     resume, or a new one with the screened candidates enqueued. Returns ``(record, finished)``."""
     progress = progress or (lambda event, data: None)
@@ -353,23 +377,32 @@ def prepare_search(request: SearchRequest, store, *, fresh: bool = False, resume
         study_rec = store.resume_study(study_rec.id)
     else:
         study_rec = store.create_study(
-            request.ctx, evaluator=request.evaluator, allowed=request.allowed.as_dict(), budget=request.budget,
-            name=study_name, optuna_study_name=f"autofit-{secrets.token_hex(8)}",
+            request.ctx,
+            evaluator=request.evaluator,
+            allowed=request.allowed.as_dict(),
+            budget=request.budget,
+            name=study_name,
+            optuna_study_name=f"autofit-{secrets.token_hex(8)}",
         )
     with interrupted_marks(store, study_rec):
         _open_study(request, store, study_rec, space, resume=resume, progress=progress, warm=warm)
     return study_rec, False
 
 
-def _open_study(request: SearchRequest, store, study_rec, space: SearchSpace, *, resume: bool,
-                progress: Progress, warm: bool) -> None:
+def _open_study(
+    request: SearchRequest, store, study_rec, space: SearchSpace, *, resume: bool, progress: Progress, warm: bool
+) -> None:
     """Optuna's study for ``study_rec``: screened and enqueued when new; on resume, trials
     the dead process left running are failed (the work loop queues their plans again)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=study_rec.optuna_study_name, storage=store.optuna_storage(),
-                                direction="maximize", load_if_exists=True)
+    study = optuna.create_study(
+        study_name=study_rec.optuna_study_name,
+        storage=store.optuna_storage(),
+        direction="maximize",
+        load_if_exists=True,
+    )
     if resume:  # trials left running by the process that died: nobody will finish them
         from optuna.trial import TrialState
 
@@ -377,9 +410,15 @@ def _open_study(request: SearchRequest, store, study_rec, space: SearchSpace, *,
             study.tell(t.number, state=TrialState.FAIL)
     stored = store.trials(study_rec.id)
     fitting = [t for t in stored if t.fits and t.tokens_per_sec]
-    progress("start", {"study": study_rec.name, "budget": request.trials,
-                       "done": len({t.plan_id for t in stored}),
-                       "best": max(fitting, key=lambda t: t.tokens_per_sec).result() if fitting else None})
+    progress(
+        "start",
+        {
+            "study": study_rec.name,
+            "budget": request.trials,
+            "done": len({t.plan_id for t in stored}),
+            "best": max(fitting, key=lambda t: t.tokens_per_sec).result() if fitting else None,
+        },
+    )
     if not study.trials:
         progress("screening", {"space": space})
         cal = calibration.from_store(store, request.ctx.cluster.gpu.name, "analytic") if request.calibrate else None
@@ -400,7 +439,7 @@ def _open_study(request: SearchRequest, store, study_rec, space: SearchSpace, *,
         for params in warm_params + candidates(measurable(scored, request), k + len(warm_params)):
             if params not in queue:  # a past winner may be the screen's pick too
                 queue.append(params)
-        for params in queue[:max(k, len(warm_params))]:
+        for params in queue[: max(k, len(warm_params))]:
             study.enqueue_trial(params, skip_if_exists=True)
 
 
@@ -488,8 +527,9 @@ def warm_start(request: SearchRequest, store, space: SearchSpace, exclude: int |
         if not options:
             continue
         old_tokens = old.micro_batch * s.study.seq_len
-        params, _ = min(options, key=lambda pp: (abs(pp[1].micro_batch * ctx.workload.seq_len - old_tokens),
-                                                 pp[1].micro_batch))
+        params, _ = min(
+            options, key=lambda pp: (abs(pp[1].micro_batch * ctx.workload.seq_len - old_tokens), pp[1].micro_batch)
+        )
         if params not in out:
             out.append(params)
         if len(out) >= WARM_START_MAX:
@@ -511,7 +551,7 @@ class _Claim:
         self._cm = cm
         self._held = False
 
-    def __enter__(self) -> "_Claim":
+    def __enter__(self) -> _Claim:
         self._cm.__enter__()
         self._held = True
         return self
@@ -525,8 +565,16 @@ class _Claim:
         self.release()
 
 
-def work(request: SearchRequest, store, study_rec, *, progress: Progress | None = None, seed: int | None = None,
-         heartbeat: tuple[int | None, int | None] = (None, None), poll_s: float = 1.0) -> str:
+def work(
+    request: SearchRequest,
+    store,
+    study_rec,
+    *,
+    progress: Progress | None = None,
+    seed: int | None = None,
+    heartbeat: tuple[int | None, int | None] = (None, None),
+    poll_s: float = 1.0,
+) -> str:
     """Evaluate trials of the study until its budget of evaluated plans is met.
 
     Returns why it stopped: ``done`` (budget met), ``interrupted`` (Ctrl-C), ``exhausted``
@@ -544,7 +592,8 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # its failed-trial tracebacks: we report what happened
     space = request.space()
     study = optuna.load_study(
-        study_name=study_rec.optuna_study_name, storage=store.optuna_storage(*heartbeat),
+        study_name=study_rec.optuna_study_name,
+        storage=store.optuna_storage(*heartbeat),
         sampler=_sampler(request.seed if seed is None else seed),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
     )
@@ -578,7 +627,8 @@ def work(request: SearchRequest, store, study_rec, *, progress: Progress | None 
                             if left is None:  # the last plans are running in other workers: wait
                                 raise _NothingToClaim
                             if objective.duplicates_in_a_row >= DUPLICATES_IN_A_ROW and not any(
-                                    t.state.name == "WAITING" for t in trials):
+                                t.state.name == "WAITING" for t in trials
+                            ):
                                 study.enqueue_trial(left)  # it keeps proposing them: the screen's next goes first
                                 objective.duplicates_in_a_row = 0
                         objective.claim = claim
@@ -636,8 +686,12 @@ def _requeue_lost(study, trials, stored_trial_ids: set[int | None]) -> list[int]
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
     out = []
     for t in trials:
-        if (t.state is not TrialState.FAIL or t.number in retried or t._trial_id in stored_trial_ids
-                or len(t.system_attrs.get("retry_history", ())) >= RETRY_LOST_MAX):
+        if (
+            t.state is not TrialState.FAIL
+            or t.number in retried
+            or t._trial_id in stored_trial_ids
+            or len(t.system_attrs.get("retry_history", ())) >= RETRY_LOST_MAX
+        ):
             continue
         with _quiet_experimental():
             RetryHeartbeatStaleTrialCallback()(study, t)
@@ -705,16 +759,25 @@ class _Outage:
             return False
 
 
-def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bool = False,
-               study_name: str | None = None, progress: Progress | None = None,
-               workers: int = 1, warm: bool = True) -> SearchOutcome:
+def run_search(
+    request: SearchRequest,
+    store,
+    *,
+    fresh: bool = False,
+    resume: bool = False,
+    study_name: str | None = None,
+    progress: Progress | None = None,
+    workers: int = 1,
+    warm: bool = True,
+) -> SearchOutcome:
     """Run (or answer from the store, or resume) the study for ``request``.
 
     ``workers=0`` only creates the study (screened and enqueued) for ``autofit worker``s.
     """
     t0 = time.perf_counter()
-    study_rec, finished = prepare_search(request, store, fresh=fresh, resume=resume, study_name=study_name,
-                                         progress=progress, warm=warm)
+    study_rec, finished = prepare_search(
+        request, store, fresh=fresh, resume=resume, study_name=study_name, progress=progress, warm=warm
+    )
     if finished:
         return _outcome(request, store, study_rec, from_store=True, elapsed=time.perf_counter() - t0)
     if workers <= 0:
@@ -731,8 +794,13 @@ def run_search(request: SearchRequest, store, *, fresh: bool = False, resume: bo
     return _outcome(request, store, study_rec, ending=ending, elapsed=time.perf_counter() - t0)
 
 
-def run_worker(store, study: str, *, progress: Progress | None = None,
-               heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL_S, HEARTBEAT_GRACE_S)) -> SearchOutcome:
+def run_worker(
+    store,
+    study: str,
+    *,
+    progress: Progress | None = None,
+    heartbeat: tuple[int, int] = (HEARTBEAT_INTERVAL_S, HEARTBEAT_GRACE_S),
+) -> SearchOutcome:
     """``autofit worker``: join a stored study and evaluate until its budget is spent."""
     t0 = time.perf_counter()
     rec = store.get_study(study)
@@ -751,8 +819,9 @@ def stored_outcome(request: SearchRequest, store, rec) -> SearchOutcome:
     return _outcome(request, store, rec, from_store=True)
 
 
-def follow(store, study: str, *, progress: Progress | None = None, poll_s: float = 2.0,
-           alive: Callable[[], bool] | None = None) -> SearchOutcome:
+def follow(
+    store, study: str, *, progress: Progress | None = None, poll_s: float = 2.0, alive: Callable[[], bool] | None = None
+) -> SearchOutcome:
     """``autofit search --wait``: report a study's trials as workers finish them, until it is done.
 
     ``alive``: whether the workers we started still run (stop following when none does).
@@ -773,15 +842,18 @@ def follow(store, study: str, *, progress: Progress | None = None, poll_s: float
         if alive is not None and not alive():
             rec = store.get_study(rec.id)
             if rec.status.value == "running":
-                raise AutofitError(f"every worker of study {rec.name} stopped before it finished; "
-                                   f"start more with `autofit worker --study {rec.name}`")
+                raise AutofitError(
+                    f"every worker of study {rec.name} stopped before it finished; "
+                    f"start more with `autofit worker --study {rec.name}`"
+                )
             break
         time.sleep(poll_s)
     return _outcome(request, store, rec, elapsed=time.perf_counter() - t0)
 
 
-def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = False, ending: str = "done",
-             elapsed: float = 0.0) -> SearchOutcome:
+def _outcome(
+    request: SearchRequest, store, study_rec, *, from_store: bool = False, ending: str = "done", elapsed: float = 0.0
+) -> SearchOutcome:
     """The study's answer by the rule every command shares (``autofit.results.ranked``)."""
     results = tuple(store.trial_result(t) for t in store.trials(study_rec.id))
     fitting = ranked(results)
@@ -795,8 +867,15 @@ def _outcome(request: SearchRequest, store, study_rec, *, from_store: bool = Fal
         closest = min(with_memory, key=lambda r: r.memory.device_total, default=None)
         advice = tuple(what_it_would_take(request, closest))
     return SearchOutcome(
-        study=study_rec, results=results, best=best, best_per_method=per_method, closest=closest,
-        advice=advice, from_store=from_store, ending=ending, elapsed_s=elapsed,
+        study=study_rec,
+        results=results,
+        best=best,
+        best_per_method=per_method,
+        closest=closest,
+        advice=advice,
+        from_store=from_store,
+        ending=ending,
+        elapsed_s=elapsed,
     )
 
 
@@ -817,13 +896,17 @@ def what_it_would_take(request: SearchRequest, closest: TrialResult | None) -> l
 
     if closest is not None and closest.memory is not None:
         need = closest.memory.device_total
-        out.append(f"the closest plan ({closest.plan.summary()}) needs {need / 2**30:.1f} GiB per GPU; "
-                   f"{ctx.cluster.gpu.name} has {ctx.capacity_bytes / 2**30:.1f} GiB")
+        out.append(
+            f"the closest plan ({closest.plan.summary()}) needs {need / 2**30:.1f} GiB per GPU; "
+            f"{ctx.cluster.gpu.name} has {ctx.capacity_bytes / 2**30:.1f} GiB"
+        )
     if Method.QLORA not in request.allowed.methods:
         allowed = dataclasses.replace(request.allowed, methods=request.allowed.methods + (Method.QLORA,))
         r = fits_with(ctx, allowed)
         if r:
-            out.append(f"allowing QLoRA (--methods {','.join(m.value for m in allowed.methods)}) fits: {r.plan.summary()}")
+            out.append(
+                f"allowing QLoRA (--methods {','.join(m.value for m in allowed.methods)}) fits: {r.plan.summary()}"
+            )
     for factor in (2, 4, 8):
         world = ctx.cluster.gpus_per_node * factor
         if world > 16 or ctx.workload.global_batch % world:

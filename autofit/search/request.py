@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.errors import PlanError, SpecError
-from autofit.specs import Target
 from autofit.plan import Plan, Precision
-from autofit.specs import ClusterSpec, Workload, load_lengths, parse_cluster, resolve_model
+from autofit.specs import ClusterSpec, Target, Workload, load_lengths, parse_cluster, resolve_model
 from autofit.specs.units import parse_size
 
 DEFAULT_GLOBAL_BATCH = 16
@@ -23,9 +22,19 @@ def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) 
     return parse_cluster(gpus, nodes=nodes, host_memory_bytes=host)
 
 
-def build_context(model: str, gpus: str, *, nodes: int = 1, host_mem: str | int | None = None, seq_len: int = 2048,
-                  global_batch: int | None = None, lengths_path: str | None = None, headroom: float = 0.05,
-                  plan_opts: dict[str, Any] | None = None, cpu_mem_budget: str | int | None = None) -> Target:
+def build_context(
+    model: str,
+    gpus: str,
+    *,
+    nodes: int = 1,
+    host_mem: str | int | None = None,
+    seq_len: int = 2048,
+    global_batch: int | None = None,
+    lengths_path: str | None = None,
+    headroom: float = 0.05,
+    plan_opts: dict[str, Any] | None = None,
+    cpu_mem_budget: str | int | None = None,
+) -> Target:
     """The request's target. Without --global-batch, a given micro-batch × grad-accum defines it.
 
     ``cpu_mem_budget`` (``--gpus Nxcpu`` only): the memory of each CPU rank, the budget every
@@ -87,9 +96,11 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
     if "grad_accum" not in opts:
         per_step = mb * ctx.cluster.world_size
         if ctx.workload.global_batch % per_step:
-            raise PlanError([
-                f"the global batch {ctx.workload.global_batch} is not divisible by micro_batch × GPUs = "
-                f"{mb} × {ctx.cluster.world_size}; pick another --micro-batch or --global-batch"
-            ])
+            raise PlanError(
+                [
+                    f"the global batch {ctx.workload.global_batch} is not divisible by micro_batch × GPUs = "
+                    f"{mb} × {ctx.cluster.world_size}; pick another --micro-batch or --global-batch"
+                ]
+            )
         opts["grad_accum"] = ctx.workload.global_batch // per_step
     return Plan(**opts)

@@ -14,11 +14,11 @@ plan is valid by construction (``enumerate`` walks the same tree, for screening)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from autofit.errors import SpecError
-from autofit.specs import Target
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -31,6 +31,7 @@ from autofit.plan import (
     Sharding,
     plan_problems,
 )
+from autofit.specs import Target
 
 MAX_MICRO_BATCH = 64
 
@@ -60,11 +61,19 @@ class Allowed:
     lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
 
     @classmethod
-    def parse(cls, methods: str | None = None, optimizers: str | None = None, precisions: str | None = None,
-              lora_ranks: str | None = None) -> "Allowed":
+    def parse(
+        cls,
+        methods: str | None = None,
+        optimizers: str | None = None,
+        precisions: str | None = None,
+        lora_ranks: str | None = None,
+    ) -> Allowed:
         kw: dict[str, Any] = {}
-        for key, text, enum in (("methods", methods, Method), ("optimizers", optimizers, Optimizer),
-                                ("precisions", precisions, Precision)):
+        for key, text, enum in (
+            ("methods", methods, Method),
+            ("optimizers", optimizers, Optimizer),
+            ("precisions", precisions, Precision),
+        ):
             parsed = _parse_list(text, enum, key)
             if parsed is not None:
                 kw[key] = parsed
@@ -88,7 +97,7 @@ class Allowed:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Allowed":
+    def from_dict(cls, d: dict[str, Any]) -> Allowed:
         """The inverse of :meth:`as_dict`; reads a study's stored ``allowed`` too (values as
         sorted strings). An absent or empty list means the default, as on the command line."""
         default = cls()
@@ -125,9 +134,7 @@ class SearchSpace:
 
     def precisions(self) -> list[Precision]:
         gpu = self.ctx.cluster.gpu
-        chosen = self.allowed.precisions or (
-            (Precision.BF16_MIXED,) if gpu.supports_bf16 else (Precision.FP16_MIXED,)
-        )
+        chosen = self.allowed.precisions or ((Precision.BF16_MIXED,) if gpu.supports_bf16 else (Precision.FP16_MIXED,))
         ok = [p for p in chosen if gpu.supports_bf16 or p not in (Precision.BF16_MIXED, Precision.BF16_TRUE)]
         return ok
 
@@ -141,8 +148,9 @@ class SearchSpace:
         for a in (Attention.SDPA, Attention.FLASH2, Attention.EAGER):
             if a.value not in fam.attn_impls:
                 continue
-            if a is Attention.FLASH2 and (not gpu.supports_flash2 or precision is Precision.FP32
-                                          or self.ctx.model.head_dim > 256):
+            if a is Attention.FLASH2 and (
+                not gpu.supports_flash2 or precision is Precision.FP32 or self.ctx.model.head_dim > 256
+            ):
                 continue
             out.append(a)
         return out
@@ -198,15 +206,25 @@ class SearchSpace:
             kw["lora_rank"] = int(trial.suggest_categorical("lora_rank", list(a.lora_ranks)))
             kw["lora_targets"] = a.lora_targets
         precs = [p for p in self.precisions() if method is not Method.QLORA or p is not Precision.FP32]
-        precision = Precision(trial.suggest_categorical(
-            "precision" if method is not Method.QLORA else "precision_qlora", [p.value for p in precs]))
+        precision = Precision(
+            trial.suggest_categorical(
+                "precision" if method is not Method.QLORA else "precision_qlora", [p.value for p in precs]
+            )
+        )
         optimizer = Optimizer(trial.suggest_categorical("optimizer", [o.value for o in a.optimizers]))
-        shardings = [s for s in self.shardings()
-                     if self.offloads(s, optimizer) and not (
-                         optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
-                         and s in (Sharding.ZERO3, Sharding.FSDP))]
-        sharding = Sharding(trial.suggest_categorical(f"sharding_{optimizer.value}" if len(a.optimizers) > 1
-                                                      else "sharding", [s.value for s in shardings]))
+        shardings = [
+            s
+            for s in self.shardings()
+            if self.offloads(s, optimizer)
+            and not (
+                optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT) and s in (Sharding.ZERO3, Sharding.FSDP)
+            )
+        ]
+        sharding = Sharding(
+            trial.suggest_categorical(
+                f"sharding_{optimizer.value}" if len(a.optimizers) > 1 else "sharding", [s.value for s in shardings]
+            )
+        )
         offloads = self.offloads(sharding, optimizer)
         offload = Offload.NONE
         if len(offloads) > 1:
@@ -215,9 +233,12 @@ class SearchSpace:
             offload = offloads[0]
         mb = int(trial.suggest_categorical("micro_batch", self.micro_batches()))
         ckpt = Checkpointing(trial.suggest_categorical("checkpointing", [c.value for c in Checkpointing]))
-        attention = Attention(trial.suggest_categorical(
-            "attention" if precision is not Precision.FP32 else "attention_fp32",
-            [x.value for x in self.attentions(precision)]))
+        attention = Attention(
+            trial.suggest_categorical(
+                "attention" if precision is not Precision.FP32 else "attention_fp32",
+                [x.value for x in self.attentions(precision)],
+            )
+        )
         packing = False
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
@@ -225,9 +246,17 @@ class SearchSpace:
         if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
         return Plan(
-            precision=precision, optimizer=optimizer, micro_batch=mb, grad_accum=self.per_rank_batch // mb,
-            checkpointing=ckpt, attention=attention, sharding=sharding, offload=offload, packing=packing,
-            fused_loss=fused, **kw,
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=mb,
+            grad_accum=self.per_rank_batch // mb,
+            checkpointing=ckpt,
+            attention=attention,
+            sharding=sharding,
+            offload=offload,
+            packing=packing,
+            fused_loss=fused,
+            **kw,
         )
 
     def enumerate(self) -> Iterator[Plan]:
@@ -284,5 +313,3 @@ def check_space(space: SearchSpace, plans: Iterator[Plan] | None = None) -> list
         if problems:
             out.append((plan, problems))
     return out
-
-

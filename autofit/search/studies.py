@@ -77,25 +77,32 @@ def load_study_file(path: str) -> dict[str, Any]:
     except OSError as exc:
         raise SpecError(f"cannot read study file {path!r}: {exc.strerror}") from None
     if len(raw) > MAX_STUDY_FILE_BYTES:
-        raise SpecError(f"study file {path!r} is over {MAX_STUDY_FILE_BYTES // 2**20} MiB; "
-                        "a study file is a short YAML mapping like those in studies/")
+        raise SpecError(
+            f"study file {path!r} is over {MAX_STUDY_FILE_BYTES // 2**20} MiB; "
+            "a study file is a short YAML mapping like those in studies/"
+        )
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise SpecError(f"study file {path!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
-                        f"{exc.start}); a study file is a YAML mapping like those in studies/") from None
+        raise SpecError(
+            f"study file {path!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start}); a study file is a YAML mapping like those in studies/"
+        ) from None
     try:
         data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader
     except _AliasRefused as exc:
-        raise SpecError(f"study file {path!r} uses a YAML alias (line {exc.problem_mark.line + 1}); "
-                        "study files take no anchors or aliases: write each value out") from None
+        raise SpecError(
+            f"study file {path!r} uses a YAML alias (line {exc.problem_mark.line + 1}); "
+            "study files take no anchors or aliases: write each value out"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise SpecError(f"study file {path!r} is not valid YAML{where}") from None
     except RecursionError:
-        raise SpecError(f"study file {path!r} is nested too deeply; "
-                        "a study file is a flat YAML mapping like those in studies/") from None
+        raise SpecError(
+            f"study file {path!r} is nested too deeply; a study file is a flat YAML mapping like those in studies/"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -113,8 +120,11 @@ def load_study_file(path: str) -> dict[str, Any]:
             raise SpecError(f"study file {path!r}: {key!r} must be a finite number, got {value!r}")
         if key == "lora_ranks":
             ranks = value if isinstance(value, list) else [value]
-            bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, str))
-                   or (isinstance(r, int) and r < 1)]
+            bad = [
+                r
+                for r in ranks
+                if isinstance(r, bool) or not isinstance(r, (int, str)) or (isinstance(r, int) and r < 1)
+            ]
             if bad:
                 raise SpecError(f"study file {path!r}: 'lora_ranks' must be positive integers, got {_short(bad[0])}")
         if key == "timeout":

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from autofit.errors import AutofitError
 
@@ -52,10 +52,13 @@ def spawn_local_workers(study: str, db_url: str, k: int, request) -> Iterator[Ca
         env = {**os.environ, "AUTOFIT_DB": db_url}  # the URL stays out of argv (ps shows argv)
         if subset is not None:
             env["CUDA_VISIBLE_DEVICES"] = subset
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
-            env=env, start_new_session=True,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
+                env=env,
+                start_new_session=True,
+            )
+        )
     ok = False
     try:
         yield lambda: any(p.poll() is None for p in procs)

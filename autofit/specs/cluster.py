@@ -48,9 +48,7 @@ class ClusterSpec:
         if self.host_memory_bytes == 0:
             # Cloud GPU instances carry roughly twice their GPU memory as host RAM
             # (g5.12xlarge: 4xA10G 96 GiB / 192 GiB; p4d: 8xA100-40GB 320 GiB / 1152 GiB).
-            object.__setattr__(
-                self, "host_memory_bytes", max(32 * GiB, 2 * self.gpus_per_node * self.gpu.memory_bytes)
-            )
+            object.__setattr__(self, "host_memory_bytes", max(32 * GiB, 2 * self.gpus_per_node * self.gpu.memory_bytes))
 
     @property
     def world_size(self) -> int:
@@ -76,7 +74,7 @@ class ClusterSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterSpec":
+    def from_dict(cls, d: dict) -> ClusterSpec:
         """The inverse of :meth:`as_dict`. A CPU target stored without its memory (by an older
         autofit) gets this machine's RAM, as ``--gpus 1xcpu`` without ``--cpu-mem-budget`` does."""
         gpu = resolve_gpu(d["gpu"])

@@ -20,8 +20,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from autofit.errors import SpecError
 
@@ -104,22 +105,32 @@ FAMILIES: dict[str, Family] = {
     for f in [
         Family("llama", "LlamaConfig", "LlamaDecoderLayer", **_LLAMA_LIKE),
         Family("mistral", "MistralConfig", "MistralDecoderLayer", **_LLAMA_LIKE),
-        Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", **{**_LLAMA_LIKE, "qkv_bias": True},
-               has_head_dim_key=False),
+        Family(
+            "qwen2", "Qwen2Config", "Qwen2DecoderLayer", **{**_LLAMA_LIKE, "qkv_bias": True}, has_head_dim_key=False
+        ),
         Family(
             "gemma2",
             "Gemma2Config",
             "Gemma2DecoderLayer",
             # transformers implements no sdpa path for Gemma-2 (soft-capped attention)
-            **{**_LLAMA_LIKE, "norms_per_layer": 4, "attn_impls": ("eager", "flash2"),
-               "activation": "gelu_pytorch_tanh"},
+            **{
+                **_LLAMA_LIKE,
+                "norms_per_layer": 4,
+                "attn_impls": ("eager", "flash2"),
+                "activation": "gelu_pytorch_tanh",
+            },
             norm_position="sandwich",
             norm_scales_in_fp32=True,
             embed_scale=True,
             logit_softcap=True,
         ),
-        Family("phi3", "Phi3Config", "Phi3DecoderLayer",
-               **{**_LLAMA_LIKE, "attn_in": ("qkv_proj",), "mlp_in": ("gate_up_proj",)}, has_head_dim_key=False),
+        Family(
+            "phi3",
+            "Phi3Config",
+            "Phi3DecoderLayer",
+            **{**_LLAMA_LIKE, "attn_in": ("qkv_proj",), "mlp_in": ("gate_up_proj",)},
+            has_head_dim_key=False,
+        ),
         Family(
             "gpt2",
             "GPT2Config",
@@ -203,8 +214,11 @@ MAX_FIELD = {
     "max_position_embeddings": 2**25,
 }
 # transformers' names of the fields where ModelSpec's differ
-_HF_NAME = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads"}
+_HF_NAME = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
 
 
 @dataclass(frozen=True)
@@ -242,9 +256,7 @@ class ModelSpec:
         if not isinstance(self.tie_word_embeddings, bool):
             problems.append(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if not problems and self.num_heads % self.num_kv_heads:
-            problems.append(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if problems:
             raise SpecError(f"model {self.name!r}: " + "; ".join(problems))
         derived = self.derived_param_count()
@@ -333,8 +345,7 @@ class ModelSpec:
 
         ``targets``: a ``plan.LoraTargets`` (which says what it covers); None: every Linear.
         """
-        per_layer = sum(rank * (i + o) for _, i, o, part in self.linears()
-                        if targets is None or targets.covers(part))
+        per_layer = sum(rank * (i + o) for _, i, o, part in self.linears() if targets is None or targets.covers(part))
         return self.num_layers * per_layer
 
     def matrix_shapes(self) -> list[tuple[int, int, int]]:
@@ -356,7 +367,7 @@ class ModelSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         """The inverse of :meth:`as_dict`, also after a JSON round trip (lists back to tuples)."""
         kw = dict(d)
         kw["hf_extra"] = tuple((k, _tuples(v)) for k, v in (kw.get("hf_extra") or {}).items())
@@ -371,7 +382,7 @@ class ModelSpec:
         blob = json.dumps(d, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def variant(self, **overrides: Any) -> "ModelSpec":
+    def variant(self, **overrides: Any) -> ModelSpec:
         """A resized copy (e.g. a 2-layer model for CPU tests); the count is re-derived."""
         name = overrides.pop("name", None)
         if name is None:
@@ -415,7 +426,7 @@ class ModelSpec:
         return cfg
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, name: str | None = None, source: str = "") -> "ModelSpec":
+    def from_hf_config(cls, cfg: Any, name: str | None = None, source: str = "") -> ModelSpec:
         """Read the fields from a transformers config object (or its ``to_dict()``).
 
         A config is user input: every field is type-checked here, naming the file and the
@@ -431,9 +442,7 @@ class ModelSpec:
             if d.get(f.keys.get(k, k)) is None
         ]
         if missing:
-            raise SpecError(
-                f"config of {name or source or f.model_type!r} lacks the fields {', '.join(missing)}"
-            )
+            raise SpecError(f"config of {name or source or f.model_type!r} lacks the fields {', '.join(missing)}")
 
         def size(k: str, default: int | None = None) -> int:
             return _config_size(d, f, where, k, default)
@@ -481,8 +490,7 @@ def _config_family(d: Mapping[str, Any], where: str) -> Family:
         )
     if model_type not in FAMILIES:
         raise SpecError(
-            f"{where}: model type {model_type!r} is not supported "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
+            f"{where}: model type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
         )
     return FAMILIES[model_type]
 
@@ -500,12 +508,16 @@ def _config_size(d: Mapping[str, Any], f: Family, where: str, k: str, default: i
             got = repr(value)
         else:
             got = f"{_shown(value)} ({_json_type(value)})"
-        fix = ("write it without quotes in the config" if isinstance(value, str) and value.strip().isdigit()
-               else "fix it in the config")
+        fix = (
+            "write it without quotes in the config"
+            if isinstance(value, str) and value.strip().isdigit()
+            else "fix it in the config"
+        )
         raise SpecError(f"{where}: {key!r} must be a positive integer, got {got}; {fix}")
     if value > _HF_MAX_FIELD[k]:
-        raise SpecError(f"{where}: {key!r} is {value:,}, beyond the {_HF_MAX_FIELD[k]:,} any real model has; "
-                        "fix it in the config")
+        raise SpecError(
+            f"{where}: {key!r} is {value:,}, beyond the {_HF_MAX_FIELD[k]:,} any real model has; fix it in the config"
+        )
     return value
 
 
@@ -554,68 +566,233 @@ def _shown(value: Any) -> str:
 # (AutoModelForCausalLM / BertForMaskedLM), checked by tests/specs/test_models.py.
 # --------------------------------------------------------------------------------------
 _REGISTRY: list[dict[str, Any]] = [
-    dict(name="mistral-7b", source="mistralai/Mistral-7B-v0.1", model_type="mistral",
-         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-         intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768,
-         tie_word_embeddings=False, n_params=7_241_732_096,
-         hf_extra=(("sliding_window", 4096),)),
-    dict(name="llama-2-7b", source="meta-llama/Llama-2-7b-hf", model_type="llama",
-         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-         intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
-         tie_word_embeddings=False, n_params=6_738_415_616),
-    dict(name="llama-2-13b", source="meta-llama/Llama-2-13b-hf", model_type="llama",
-         hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
-         intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096,
-         tie_word_embeddings=False, n_params=13_015_864_320),
-    dict(name="llama-3-8b", source="meta-llama/Meta-Llama-3-8B", model_type="llama",
-         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-         tie_word_embeddings=False, n_params=8_030_261_248),
-    dict(name="llama-3-70b", source="meta-llama/Meta-Llama-3-70B", model_type="llama",
-         hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-         intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192,
-         tie_word_embeddings=False, n_params=70_553_706_496),
-    dict(name="llama-3.2-1b", source="meta-llama/Llama-3.2-1B", model_type="llama",
-         hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-         intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-         tie_word_embeddings=True, n_params=1_235_814_400),
-    dict(name="llama-3.2-3b", source="meta-llama/Llama-3.2-3B", model_type="llama",
-         hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
-         intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-         tie_word_embeddings=True, n_params=3_212_749_824),
-    dict(name="qwen2.5-0.5b", source="Qwen/Qwen2.5-0.5B", model_type="qwen2",
-         hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
-         tie_word_embeddings=True, n_params=494_032_768),
-    dict(name="qwen2.5-7b", source="Qwen/Qwen2.5-7B", model_type="qwen2",
-         hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-         intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072,
-         tie_word_embeddings=False, n_params=7_615_616_512),
-    dict(name="qwen2.5-72b", source="Qwen/Qwen2.5-72B", model_type="qwen2",
-         hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-         intermediate_size=29568, vocab_size=152064, max_position_embeddings=131072,
-         tie_word_embeddings=False, n_params=72_706_203_648),
-    dict(name="gemma-2-9b", source="google/gemma-2-9b", model_type="gemma2",
-         hidden_size=3584, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
-         intermediate_size=14336, vocab_size=256000, max_position_embeddings=8192,
-         tie_word_embeddings=True, n_params=9_241_705_984,
-         hf_extra=(("query_pre_attn_scalar", 256),)),
-    dict(name="phi-3-mini", source="microsoft/Phi-3-mini-4k-instruct", model_type="phi3",
-         hidden_size=3072, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=96,
-         intermediate_size=8192, vocab_size=32064, max_position_embeddings=4096,
-         tie_word_embeddings=False, n_params=3_821_079_552),
-    dict(name="gpt2", source="openai-community/gpt2", model_type="gpt2",
-         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
-         intermediate_size=3072, vocab_size=50257, max_position_embeddings=1024,
-         tie_word_embeddings=True, n_params=124_439_808),
-    dict(name="gpt2-xl", source="openai-community/gpt2-xl", model_type="gpt2",
-         hidden_size=1600, num_layers=48, num_heads=25, num_kv_heads=25, head_dim=64,
-         intermediate_size=6400, vocab_size=50257, max_position_embeddings=1024,
-         tie_word_embeddings=True, n_params=1_557_611_200),
-    dict(name="bert-large-uncased", source="google-bert/bert-large-uncased", model_type="bert",
-         hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
-         intermediate_size=4096, vocab_size=30522, max_position_embeddings=512,
-         tie_word_embeddings=True, n_params=335_174_458),
+    dict(
+        name="mistral-7b",
+        source="mistralai/Mistral-7B-v0.1",
+        model_type="mistral",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        n_params=7_241_732_096,
+        hf_extra=(("sliding_window", 4096),),
+    ),
+    dict(
+        name="llama-2-7b",
+        source="meta-llama/Llama-2-7b-hf",
+        model_type="llama",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=6_738_415_616,
+    ),
+    dict(
+        name="llama-2-13b",
+        source="meta-llama/Llama-2-13b-hf",
+        model_type="llama",
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        head_dim=128,
+        intermediate_size=13824,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=13_015_864_320,
+    ),
+    dict(
+        name="llama-3-8b",
+        source="meta-llama/Meta-Llama-3-8B",
+        model_type="llama",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        n_params=8_030_261_248,
+    ),
+    dict(
+        name="llama-3-70b",
+        source="meta-llama/Meta-Llama-3-70B",
+        model_type="llama",
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        n_params=70_553_706_496,
+    ),
+    dict(
+        name="llama-3.2-1b",
+        source="meta-llama/Llama-3.2-1B",
+        model_type="llama",
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        n_params=1_235_814_400,
+    ),
+    dict(
+        name="llama-3.2-3b",
+        source="meta-llama/Llama-3.2-3B",
+        model_type="llama",
+        hidden_size=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        n_params=3_212_749_824,
+    ),
+    dict(
+        name="qwen2.5-0.5b",
+        source="Qwen/Qwen2.5-0.5B",
+        model_type="qwen2",
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        n_params=494_032_768,
+    ),
+    dict(
+        name="qwen2.5-7b",
+        source="Qwen/Qwen2.5-7B",
+        model_type="qwen2",
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=7_615_616_512,
+    ),
+    dict(
+        name="qwen2.5-72b",
+        source="Qwen/Qwen2.5-72B",
+        model_type="qwen2",
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=29568,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=72_706_203_648,
+    ),
+    dict(
+        name="gemma-2-9b",
+        source="google/gemma-2-9b",
+        model_type="gemma2",
+        hidden_size=3584,
+        num_layers=42,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        intermediate_size=14336,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        n_params=9_241_705_984,
+        hf_extra=(("query_pre_attn_scalar", 256),),
+    ),
+    dict(
+        name="phi-3-mini",
+        source="microsoft/Phi-3-mini-4k-instruct",
+        model_type="phi3",
+        hidden_size=3072,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=96,
+        intermediate_size=8192,
+        vocab_size=32064,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=3_821_079_552,
+    ),
+    dict(
+        name="gpt2",
+        source="openai-community/gpt2",
+        model_type="gpt2",
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        n_params=124_439_808,
+    ),
+    dict(
+        name="gpt2-xl",
+        source="openai-community/gpt2-xl",
+        model_type="gpt2",
+        hidden_size=1600,
+        num_layers=48,
+        num_heads=25,
+        num_kv_heads=25,
+        head_dim=64,
+        intermediate_size=6400,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        n_params=1_557_611_200,
+    ),
+    dict(
+        name="bert-large-uncased",
+        source="google-bert/bert-large-uncased",
+        model_type="bert",
+        hidden_size=1024,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=64,
+        intermediate_size=4096,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        n_params=335_174_458,
+    ),
 ]
 
 MODELS: dict[str, ModelSpec] = {d["name"]: ModelSpec(**d) for d in _REGISTRY}
@@ -652,7 +829,11 @@ def resolve_model(ref: str) -> ModelSpec:
             raise SpecError(f"cannot read model config {path!r}: {exc}") from None
         if not isinstance(data, dict):
             raise SpecError(f"model config {path!r} is not a JSON object")
-        return ModelSpec.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))) if os.path.isdir(key) else key, source=path)
+        return ModelSpec.from_hf_config(
+            data,
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))) if os.path.isdir(key) else key,
+            source=path,
+        )
     if "/" in key and not key.startswith((".", "/")):
         return _from_hub(key)
     close = difflib.get_close_matches(key.lower(), list(MODELS), n=3, cutoff=0.5)
@@ -702,15 +883,18 @@ def _hub_config_file(hub_id: str) -> str:
     local = "pass a local config.json or directory, or a registered name (`autofit models`)"
 
     def unreachable(why: str) -> SpecError:
-        return SpecError(f"{head}: it is not a registered model, not a local path, and the hub is unreachable "
-                         f"({why}); {local}")
+        return SpecError(
+            f"{head}: it is not a registered model, not a local path, and the hub is unreachable ({why}); {local}"
+        )
 
     with _quiet_logger("huggingface_hub"):
         try:
             cached = hf.try_to_load_from_cache(hub_id, "config.json")
         except HFValidationError:
-            raise SpecError(f"unknown model {hub_id!r}: not a registered model, not a local path, and not a valid "
-                            f"hub id (org/name); {local}") from None
+            raise SpecError(
+                f"unknown model {hub_id!r}: not a registered model, not a local path, and not a valid "
+                f"hub id (org/name); {local}"
+            ) from None
         cached = cached if isinstance(cached, str) else None
         if hf.is_offline_mode():
             if cached:

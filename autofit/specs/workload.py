@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from autofit.errors import SpecError
 
@@ -44,7 +44,7 @@ class LengthDistribution:
             raise SpecError("the length distribution has no samples")
 
     @classmethod
-    def from_lengths(cls, lengths: Iterable[int], source: str = "") -> "LengthDistribution":
+    def from_lengths(cls, lengths: Iterable[int], source: str = "") -> LengthDistribution:
         counts: dict[int, int] = {}
         for n in lengths:
             n = max(1, int(n))
@@ -53,7 +53,7 @@ class LengthDistribution:
             raise SpecError(f"no sequences found in {source or 'the length data'}")
         return cls(tuple(sorted(counts.items())), source)
 
-    def truncated(self, seq_len: int) -> "LengthDistribution":
+    def truncated(self, seq_len: int) -> LengthDistribution:
         counts: dict[int, int] = {}
         for length, count in self.histogram:
             key = min(length, seq_len)
@@ -91,7 +91,7 @@ class LengthDistribution:
         return {"histogram": [list(x) for x in self.histogram], "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LengthDistribution":
+    def from_dict(cls, d: dict) -> LengthDistribution:
         """The inverse of :meth:`as_dict`."""
         return cls(tuple((int(n), int(c)) for n, c in d["histogram"]), d.get("source") or "")
 
@@ -144,11 +144,14 @@ class Workload:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Workload":
+    def from_dict(cls, d: dict) -> Workload:
         """The inverse of :meth:`as_dict`."""
         lengths = d.get("lengths")
-        return cls(seq_len=int(d["seq_len"]), global_batch=int(d["global_batch"]),
-                   lengths=LengthDistribution.from_dict(lengths) if lengths else None)
+        return cls(
+            seq_len=int(d["seq_len"]),
+            global_batch=int(d["global_batch"]),
+            lengths=LengthDistribution.from_dict(lengths) if lengths else None,
+        )
 
 
 def load_lengths(path: str, tokenizer=None) -> LengthDistribution:
@@ -180,9 +183,7 @@ def load_lengths(path: str, tokenizer=None) -> LengthDistribution:
                             approx = True
                             lengths.append(math.ceil(len(rec["text"]) / CHARS_PER_TOKEN))
                     else:
-                        raise SpecError(
-                            f"{path}:{lineno}: a record needs a 'text' string or a 'num_tokens' integer"
-                        )
+                        raise SpecError(f"{path}:{lineno}: a record needs a 'text' string or a 'num_tokens' integer")
             src = path + (" (tokens ~ chars/4)" if approx else "")
             return LengthDistribution.from_lengths(lengths, src)
         with open(path) as fh:

@@ -80,11 +80,11 @@ class StudyModel(Base):
     finished_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     @classmethod
-    def find(cls, session: Session, study_id: int) -> "StudyModel | None":
+    def find(cls, session: Session, study_id: int) -> StudyModel | None:
         return session.get(cls, study_id)
 
     @classmethod
-    def find_by_name(cls, session: Session, name: str) -> "StudyModel | None":
+    def find_by_name(cls, session: Session, name: str) -> StudyModel | None:
         return session.query(cls).filter(cls.name == name).one_or_none()
 
 

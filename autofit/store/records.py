@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from autofit.specs import Target
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
 from autofit.plan import Plan
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult
+from autofit.specs import Target
 
 
 class StudyStatus(str, Enum):
@@ -65,8 +65,12 @@ class StudyRecord:
         """The request's target rebuilt from what was stored (for resume and export)."""
         from autofit.specs import ClusterSpec, ModelSpec, Workload
 
-        return Target(ModelSpec.from_dict(self.model_spec), ClusterSpec.from_dict(self.cluster),
-                      Workload.from_dict(self.workload), self.headroom)
+        return Target(
+            ModelSpec.from_dict(self.model_spec),
+            ClusterSpec.from_dict(self.cluster),
+            Workload.from_dict(self.workload),
+            self.headroom,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -124,13 +128,35 @@ class TrialRecord:
         return self.throughput.step_time_s if self.throughput else None
 
     @classmethod
-    def of(cls, result: TrialResult, *, id: int, study_id: int, number: int, optuna_trial_id: int | None,
-           plan_id: str, created_at: datetime.datetime) -> "TrialRecord":
+    def of(
+        cls,
+        result: TrialResult,
+        *,
+        id: int,
+        study_id: int,
+        number: int,
+        optuna_trial_id: int | None,
+        plan_id: str,
+        created_at: datetime.datetime,
+    ) -> TrialRecord:
         """The record of ``result`` stored in the row with these ids (the inverse of :meth:`result`)."""
-        return cls(id=id, study_id=study_id, number=number, optuna_trial_id=optuna_trial_id, plan=result.plan,
-                   plan_id=plan_id, status=result.status, evaluator=result.evaluator, memory=result.memory,
-                   throughput=result.throughput, capacity_bytes=result.capacity_bytes, reason=result.reason,
-                   extra=dict(result.extra), duration_s=result.duration_s, created_at=created_at)
+        return cls(
+            id=id,
+            study_id=study_id,
+            number=number,
+            optuna_trial_id=optuna_trial_id,
+            plan=result.plan,
+            plan_id=plan_id,
+            status=result.status,
+            evaluator=result.evaluator,
+            memory=result.memory,
+            throughput=result.throughput,
+            capacity_bytes=result.capacity_bytes,
+            reason=result.reason,
+            extra=dict(result.extra),
+            duration_s=result.duration_s,
+            created_at=created_at,
+        )
 
     def result(self) -> TrialResult:
         """The library object this row was recorded from."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from alembic.script import ScriptDirectory
     from sqlalchemy.engine import Connection
 
+
 def _script_location() -> str:
     """The Alembic scripts: ``migrations/`` beside ``autofit/`` in a source checkout, shipped
     inside the wheel as the package ``autofit.migrations`` (see ``pyproject.toml``)."""
@@ -38,7 +39,7 @@ SCRIPT_LOCATION = _script_location()
 _PG_LOCK_KEY = zlib.crc32(b"autofit-migrations")
 
 
-def alembic_config(script_location: str = SCRIPT_LOCATION, connection: "Connection | None" = None) -> "Config":
+def alembic_config(script_location: str = SCRIPT_LOCATION, connection: Connection | None = None) -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -49,7 +50,7 @@ def alembic_config(script_location: str = SCRIPT_LOCATION, connection: "Connecti
 
 
 @functools.lru_cache(maxsize=8)
-def script_directory(script_location: str = SCRIPT_LOCATION) -> "ScriptDirectory":
+def script_directory(script_location: str = SCRIPT_LOCATION) -> ScriptDirectory:
     """Parsed once per process: every Store() checks its database against it."""
     from alembic.script import ScriptDirectory
 
@@ -69,35 +70,46 @@ def head(script_location: str = SCRIPT_LOCATION) -> str:
     return heads[0]
 
 
-def current(connection: "Connection") -> str | None:
+def current(connection: Connection) -> str | None:
     from alembic.migration import MigrationContext
 
     ctx = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
     return ctx.get_current_revision()
 
 
-def autofit_tables(connection: "Connection") -> list[str]:
-    return sorted(
-        t for t in inspect(connection).get_table_names() if t.startswith(TABLE_PREFIX) and t != VERSION_TABLE
-    )
+def autofit_tables(connection: Connection) -> list[str]:
+    return sorted(t for t in inspect(connection).get_table_names() if t.startswith(TABLE_PREFIX) and t != VERSION_TABLE)
 
 
 # Optuna's RDB storage tables (optuna/storages/_rdb/models.py, plus its Alembic version
 # table): they live beside autofit's by design. A test checks this list against Optuna's models.
-OPTUNA_TABLES = frozenset({
-    "studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials",
-    "trial_user_attributes", "trial_system_attributes", "trial_params", "trial_values",
-    "trial_intermediate_values", "trial_heartbeats", "version_info", "alembic_version",
-})
+OPTUNA_TABLES = frozenset(
+    {
+        "studies",
+        "study_directions",
+        "study_user_attributes",
+        "study_system_attributes",
+        "trials",
+        "trial_user_attributes",
+        "trial_system_attributes",
+        "trial_params",
+        "trial_values",
+        "trial_intermediate_values",
+        "trial_heartbeats",
+        "version_info",
+        "alembic_version",
+    }
+)
 
 
-def foreign_tables(connection: "Connection") -> list[str]:
+def foreign_tables(connection: Connection) -> list[str]:
     """Tables that are neither autofit's nor Optuna's: another application's database."""
-    return sorted(t for t in inspect(connection).get_table_names()
-                  if not t.startswith(TABLE_PREFIX) and t not in OPTUNA_TABLES)
+    return sorted(
+        t for t in inspect(connection).get_table_names() if not t.startswith(TABLE_PREFIX) and t not in OPTUNA_TABLES
+    )
 
 
-def upgrade(connection: "Connection", target: str = "head", script_location: str = SCRIPT_LOCATION) -> None:
+def upgrade(connection: Connection, target: str = "head", script_location: str = SCRIPT_LOCATION) -> None:
     """Migrate on ``connection`` in one transaction, holding a lock that serializes migrators.
 
     The caller commits. On SQLite, foreign keys are off during the migration, because
@@ -114,7 +126,7 @@ def upgrade(connection: "Connection", target: str = "head", script_location: str
     command.upgrade(alembic_config(script_location, connection), target)
 
 
-def diff(connection: "Connection") -> list[Any]:
+def diff(connection: Connection) -> list[Any]:
     """What differs between the ORM classes and the database's autofit tables (empty: nothing)."""
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext

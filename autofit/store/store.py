@@ -21,8 +21,9 @@ import secrets
 import shlex
 import time
 import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, case, create_engine, event, exists, func, or_, select
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -31,8 +32,8 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from autofit.errors import PlanError, StoreError
+from autofit.results import EVALUATORS, Status, TrialResult
 from autofit.specs import Target
-from autofit.results import EVALUATORS, Status, TrialResult, fidelity
 from autofit.store import schema
 from autofit.store.models import ANATOMY_COLUMNS, VERSION_TABLE, StudyModel, TrialModel, utcnow
 from autofit.store.records import SchemaInfo, StudyRecord, StudyStatus, StudySummary, TrialRecord
@@ -44,8 +45,19 @@ ENV_VAR = "AUTOFIT_DB"
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 # Packages whose versions decide what a study found (read from metadata, never imported).
-_VERSIONED = ("autofit", "torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes",
-              "flash-attn", "optuna", "sqlalchemy", "alembic")
+_VERSIONED = (
+    "autofit",
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "deepspeed",
+    "bitsandbytes",
+    "flash-attn",
+    "optuna",
+    "sqlalchemy",
+    "alembic",
+)
 
 _URL_HELP = "use a file path, sqlite:///PATH or postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DB"
 
@@ -111,9 +123,7 @@ def resolve_url(url: str | None = None) -> URL:
     except ArgumentError:
         raise StoreError(f"cannot read database URL {_mask_raw(raw)!r}; {_URL_HELP}") from None
     except ValueError:  # SQLAlchemy's int() of a port it could not read
-        raise StoreError(
-            f"cannot read database URL {_mask_raw(raw)!r}: {_url_problem(raw)}; {_URL_HELP}"
-        ) from None
+        raise StoreError(f"cannot read database URL {_mask_raw(raw)!r}: {_url_problem(raw)}; {_URL_HELP}") from None
     if parsed.port is not None and not 0 < parsed.port < 65536:
         raise StoreError(f"database URL {_masked(parsed)} has port {parsed.port}, outside 1-65535; {_URL_HELP}")
     if parsed.drivername in ("postgres", "postgresql"):
@@ -138,9 +148,7 @@ def resolve_url(url: str | None = None) -> URL:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
-            raise StoreError(
-                f"cannot create the database directory {parent}: {exc.strerror or exc}"
-            ) from None
+            raise StoreError(f"cannot create the database directory {parent}: {exc.strerror or exc}") from None
     return parsed
 
 
@@ -359,7 +367,9 @@ def _study_record(row: StudyModel) -> StudyRecord:
     try:
         status = StudyStatus(row.status)
     except ValueError:
-        raise StoreError(f"study {row.name!r} has status {row.status!r}, unknown to this autofit; upgrade autofit") from None
+        raise StoreError(
+            f"study {row.name!r} has status {row.status!r}, unknown to this autofit; upgrade autofit"
+        ) from None
     return StudyRecord(
         id=row.id,
         name=row.name,
@@ -387,22 +397,33 @@ def _study_record(row: StudyModel) -> StudyRecord:
 def _trial_record(row: TrialModel) -> TrialRecord:
     values = {c: getattr(row, c) for c in ANATOMY_COLUMNS}
     try:  # the row's columns in TrialResult.as_dict()'s shape
-        result = TrialResult.from_dict({
-            "plan": row.plan,
-            "status": row.status,
-            "evaluator": row.evaluator,
-            "memory": None if all(v is None for v in values.values()) else values,
-            "throughput": row.throughput,
-            "capacity_bytes": row.capacity_bytes,
-            "reason": row.reason,
-            "duration_s": row.duration_s,
-            "extra": row.extra,
-        })
+        result = TrialResult.from_dict(
+            {
+                "plan": row.plan,
+                "status": row.status,
+                "evaluator": row.evaluator,
+                "memory": None if all(v is None for v in values.values()) else values,
+                "throughput": row.throughput,
+                "capacity_bytes": row.capacity_bytes,
+                "reason": row.reason,
+                "duration_s": row.duration_s,
+                "extra": row.extra,
+            }
+        )
     except (PlanError, ValueError) as exc:
-        raise StoreError(f"trial {row.number} of study {row.study_id} holds a result this autofit cannot read "
-                         f"({exc}); upgrade autofit") from None
-    return TrialRecord.of(result, id=row.id, study_id=row.study_id, number=row.number,
-                          optuna_trial_id=row.optuna_trial_id, plan_id=row.plan_id, created_at=_utc(row.created_at))
+        raise StoreError(
+            f"trial {row.number} of study {row.study_id} holds a result this autofit cannot read "
+            f"({exc}); upgrade autofit"
+        ) from None
+    return TrialRecord.of(
+        result,
+        id=row.id,
+        study_id=row.study_id,
+        number=row.number,
+        optuna_trial_id=row.optuna_trial_id,
+        plan_id=row.plan_id,
+        created_at=_utc(row.created_at),
+    )
 
 
 def _fidelity(column: Any) -> Any:
@@ -432,13 +453,18 @@ def _answer_order() -> tuple[Any, ...]:
     (number, id) of its first row), as ``autofit.results.ranked`` breaks ties; across
     studies, the older study first."""
     first, same = aliased(TrialModel), aliased(TrialModel)
-    first_number = (select(func.min(first.number))
-                    .where(first.study_id == TrialModel.study_id, first.plan_id == TrialModel.plan_id)
-                    .correlate(TrialModel).scalar_subquery())
-    first_id = (select(func.min(same.id))
-                .where(same.study_id == TrialModel.study_id, same.plan_id == TrialModel.plan_id,
-                       same.number == first_number)
-                .correlate(TrialModel).scalar_subquery())
+    first_number = (
+        select(func.min(first.number))
+        .where(first.study_id == TrialModel.study_id, first.plan_id == TrialModel.plan_id)
+        .correlate(TrialModel)
+        .scalar_subquery()
+    )
+    first_id = (
+        select(func.min(same.id))
+        .where(same.study_id == TrialModel.study_id, same.plan_id == TrialModel.plan_id, same.number == first_number)
+        .correlate(TrialModel)
+        .scalar_subquery()
+    )
     return TrialModel.tokens_per_sec.desc(), TrialModel.study_id, first_number, first_id
 
 
@@ -475,8 +501,10 @@ class Store:
         try:
             engine = create_engine(self._url, **kwargs)
         except ImportError as exc:
-            raise StoreError(f"the driver for {self._url.drivername} is not installed ({exc}); "
-                             "pip install 'autofit[postgres]' for PostgreSQL") from None
+            raise StoreError(
+                f"the driver for {self._url.drivername} is not installed ({exc}); "
+                "pip install 'autofit[postgres]' for PostgreSQL"
+            ) from None
         if sqlite:
             event.listen(engine, "connect", _sqlite_on_connect)
         return engine
@@ -497,7 +525,7 @@ class Store:
             self._optuna = None
         self._engine.dispose()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -557,8 +585,9 @@ class Store:
 
     def schema_info(self) -> SchemaInfo:
         current = self.current_revision()
-        return SchemaInfo(self.masked_url, current, self.head_revision(),
-                          current is None or current in self.revisions())
+        return SchemaInfo(
+            self.masked_url, current, self.head_revision(), current is None or current in self.revisions()
+        )
 
     def _newer_error(self, current: str) -> StoreError:
         version = software_versions().get("autofit", "?")
@@ -631,8 +660,11 @@ class Store:
             foreign = schema.foreign_tables(conn)
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            fix = ("a new file (--db NEW.db)" if self.dialect == "sqlite"
-                   else "an empty database (createdb autofit; --db .../autofit)")
+            fix = (
+                "a new file (--db NEW.db)"
+                if self.dialect == "sqlite"
+                else "an empty database (createdb autofit; --db .../autofit)"
+            )
             raise StoreError(
                 f"database {self.masked_url} holds another application's tables ({shown}) and none of autofit's; "
                 f"autofit will not add its tables to it: give {fix}"
@@ -644,8 +676,9 @@ class Store:
             return schema.diff(conn)
 
     # -- Optuna ---------------------------------------------------------------------------
-    def optuna_storage(self, heartbeat_interval: int | None = None,
-                       grace_period: int | None = None) -> "optuna.storages.RDBStorage":
+    def optuna_storage(
+        self, heartbeat_interval: int | None = None, grace_period: int | None = None
+    ) -> optuna.storages.RDBStorage:
         """Optuna's RDB storage on this database; its tables sit beside autofit's.
 
         With ``heartbeat_interval`` each running trial pings the database, and a trial
@@ -660,7 +693,9 @@ class Store:
             if self._optuna is not None:
                 self._optuna.engine.dispose()
             kwargs: dict[str, Any] = (
-                {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
+                {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
+                if self.dialect == "sqlite"
+                else {"pool_pre_ping": True}
             )
             try:
                 # Optuna creates its tables on first use; two processes doing so at once race
@@ -668,7 +703,9 @@ class Store:
                 with self._lock("optuna-init", 0), warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat args
                     self._optuna = optuna.storages.RDBStorage(
-                        self.url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
+                        self.url,
+                        engine_kwargs=kwargs,
+                        heartbeat_interval=heartbeat_interval,
                         grace_period=grace_period,
                     )
             except SQLAlchemyError as exc:
@@ -823,9 +860,12 @@ class Store:
         with self.session_scope() as s:
             row = s.scalars(
                 select(StudyModel)
-                .where(StudyModel.request_key == request_key,
-                       StudyModel.status.in_([StudyStatus.INTERRUPTED.value, StudyStatus.FAILED.value,
-                                              StudyStatus.RUNNING.value]))
+                .where(
+                    StudyModel.request_key == request_key,
+                    StudyModel.status.in_(
+                        [StudyStatus.INTERRUPTED.value, StudyStatus.FAILED.value, StudyStatus.RUNNING.value]
+                    ),
+                )
                 .order_by(StudyModel.updated_at.desc(), StudyModel.id.desc())
                 .limit(1)
             ).one_or_none()
@@ -840,11 +880,13 @@ class Store:
         """
         query = select(StudyModel)
         if model:
-            query = query.where(or_(func.lower(StudyModel.model_name) == model.lower(),
-                                    StudyModel.model_fingerprint == model))
+            query = query.where(
+                or_(func.lower(StudyModel.model_name) == model.lower(), StudyModel.model_fingerprint == model)
+            )
         if gpu:
-            query = query.where(or_(func.lower(StudyModel.gpu_name) == gpu.lower(),
-                                    func.lower(StudyModel.cluster_label) == gpu.lower()))
+            query = query.where(
+                or_(func.lower(StudyModel.gpu_name) == gpu.lower(), func.lower(StudyModel.cluster_label) == gpu.lower())
+            )
         with self.session_scope() as s:
             studies = s.scalars(query.order_by(StudyModel.created_at.desc(), StudyModel.id.desc())).all()
             ids = query.with_only_columns(StudyModel.id).scalar_subquery()
@@ -855,13 +897,13 @@ class Store:
                 .group_by(TrialModel.study_id, TrialModel.status)
             ):
                 counts.setdefault(study_id, {})[status] = n
-            rank = func.row_number().over(
-                partition_by=TrialModel.study_id, order_by=_answer_order()
-            ).label("rank")
+            rank = func.row_number().over(partition_by=TrialModel.study_id, order_by=_answer_order()).label("rank")
             ranked = select(TrialModel.id, rank).where(TrialModel.study_id.in_(ids), *_authoritative_fits()).subquery()
             best = {
                 row.study_id: _trial_record(row)
-                for row in s.scalars(select(TrialModel).join(ranked, TrialModel.id == ranked.c.id).where(ranked.c.rank == 1))
+                for row in s.scalars(
+                    select(TrialModel).join(ranked, TrialModel.id == ranked.c.id).where(ranked.c.rank == 1)
+                )
             }
             return [StudySummary(_study_record(r), best.get(r.id), counts.get(r.id, {})) for r in studies]
 
@@ -920,9 +962,13 @@ class Store:
         """Every fitting measured trial on a GPU type, across studies (calibration's pairs)."""
         with self.session_scope() as s:
             rows = s.scalars(
-                select(TrialModel).join(StudyModel, TrialModel.study_id == StudyModel.id)
-                .where(TrialModel.evaluator == "measured", TrialModel.status == Status.FITS.value,
-                       func.lower(StudyModel.gpu_name) == gpu_name.lower())
+                select(TrialModel)
+                .join(StudyModel, TrialModel.study_id == StudyModel.id)
+                .where(
+                    TrialModel.evaluator == "measured",
+                    TrialModel.status == Status.FITS.value,
+                    func.lower(StudyModel.gpu_name) == gpu_name.lower(),
+                )
                 .order_by(TrialModel.id)
             ).all()
             return [_trial_record(r) for r in rows]
@@ -943,8 +989,11 @@ class Store:
         query = (
             select(TrialModel)
             .join(StudyModel, StudyModel.id == TrialModel.study_id)
-            .where(StudyModel.model_fingerprint == model_fingerprint, StudyModel.cluster_label == cluster_label,
-                   *_authoritative_fits())
+            .where(
+                StudyModel.model_fingerprint == model_fingerprint,
+                StudyModel.cluster_label == cluster_label,
+                *_authoritative_fits(),
+            )
         )
         if seq_len is not None:
             query = query.where(StudyModel.seq_len == seq_len)

@@ -8,19 +8,28 @@ Tables are spelled out here rather than imported from ``autofit.store.models``: 
 revision is a frozen record of the schema at that point, whatever the models become.
 """
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0001"
-down_revision: Union[str, Sequence[str], None] = None
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | Sequence[str] | None = None
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 _ANATOMY = (
-    "weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead",
-    "peak_allocated", "peak_reserved", "device_total", "host_bytes",
+    "weights",
+    "gradients",
+    "optimizer",
+    "activations",
+    "temporary",
+    "logits",
+    "overhead",
+    "peak_allocated",
+    "peak_reserved",
+    "device_total",
+    "host_bytes",
 )
 
 

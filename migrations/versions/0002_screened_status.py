@@ -20,15 +20,15 @@ imported from ``autofit.store.models``: a revision is a frozen record of the sch
 point, whatever the models become.
 """
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0002"
-down_revision: Union[str, Sequence[str], None] = "0001"
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | Sequence[str] | None = "0001"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 _trials = sa.table(
     "autofit_trials",
@@ -50,7 +50,7 @@ _CHUNK = 500  # ids per UPDATE ... WHERE id IN (...)
 def _set_status(ids: list[int], status: str) -> None:
     bind = op.get_bind()
     for i in range(0, len(ids), _CHUNK):
-        bind.execute(_trials.update().where(_trials.c.id.in_(ids[i:i + _CHUNK])).values(status=status))
+        bind.execute(_trials.update().where(_trials.c.id.in_(ids[i : i + _CHUNK])).values(status=status))
 
 
 def upgrade() -> None:
@@ -64,8 +64,9 @@ def upgrade() -> None:
         if str(cluster.get("gpu", "")).lower() != "cpu" or cluster.get("cpu_memory_bytes") is not None:
             continue
         capacity = bind.execute(
-            sa.select(sa.func.max(_trials.c.capacity_bytes))
-            .where(_trials.c.study_id == study.id, _trials.c.capacity_bytes > 0)
+            sa.select(sa.func.max(_trials.c.capacity_bytes)).where(
+                _trials.c.study_id == study.id, _trials.c.capacity_bytes > 0
+            )
         ).scalar()
         if capacity:
             cluster["cpu_memory_bytes"] = int(capacity)

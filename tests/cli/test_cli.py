@@ -11,14 +11,46 @@ def run(*args):
 
 
 def test_estimate_json_schema():
-    r = run("estimate", "--model", "mistral-7b", "--gpus", "2xA10", "--method", "qlora", "--checkpointing", "full",
-            "--attention", "flash2", "--fused-loss", "--seq-len", "2048", "--global-batch", "16", "--json")
+    r = run(
+        "estimate",
+        "--model",
+        "mistral-7b",
+        "--gpus",
+        "2xA10",
+        "--method",
+        "qlora",
+        "--checkpointing",
+        "full",
+        "--attention",
+        "flash2",
+        "--fused-loss",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "16",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert set(data["memory"]) >= {"weights", "gradients", "optimizer", "activations", "temporary", "logits",
-                                   "overhead", "peak_allocated", "peak_reserved", "device_total"}
-    assert sum(data["memory"][c] for c in ("weights", "gradients", "optimizer", "activations", "temporary",
-                                           "logits", "overhead")) == data["memory"]["device_total"]
+    assert set(data["memory"]) >= {
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "temporary",
+        "logits",
+        "overhead",
+        "peak_allocated",
+        "peak_reserved",
+        "device_total",
+    }
+    assert (
+        sum(
+            data["memory"][c]
+            for c in ("weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead")
+        )
+        == data["memory"]["device_total"]
+    )
     assert data["fits"] is True and data["capacity_bytes"] == 23028 * 2**20
     assert data["throughput"]["tokens_per_sec"] > 0 and data["throughput"]["step_time_s"] > 0
     assert data["plan"]["method"] == "qlora" and data["plan"]["grad_accum"] == 8
@@ -37,16 +69,22 @@ def test_catalogs_json(cmd):
     assert len(json.loads(r.stdout)) >= 15
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--model", "mistral-7", "--gpus", "2xA10"], "unknown model"),
-    (["--model", "mistral-7b", "--gpus", "2xA11"], "unknown GPU"),
-    (["--model", "mistral-7b", "--gpus", "0xA10"], "at least 1"),
-    (["--model", "mistral-7b", "--gpus", "2xA10x3"], "malformed"),
-    (["--model", "mistral-7b", "--gpus", "2xA10", "--micro-batch", "0"], "--micro-batch"),
-    (["--model", "mistral-7b", "--gpus", "2xA10", "--global-batch", "3"], "not divisible"),
-    (["--model", "mistral-7b", "--gpus", "1xV100-16GB", "--precision", "bf16-mixed", "--attention", "flash2"], "use fp16-mixed"),
-    (["--model", "mistral-7b", "--gpus", "1xA10", "--seq-len", "0"], "--seq-len"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--model", "mistral-7", "--gpus", "2xA10"], "unknown model"),
+        (["--model", "mistral-7b", "--gpus", "2xA11"], "unknown GPU"),
+        (["--model", "mistral-7b", "--gpus", "0xA10"], "at least 1"),
+        (["--model", "mistral-7b", "--gpus", "2xA10x3"], "malformed"),
+        (["--model", "mistral-7b", "--gpus", "2xA10", "--micro-batch", "0"], "--micro-batch"),
+        (["--model", "mistral-7b", "--gpus", "2xA10", "--global-batch", "3"], "not divisible"),
+        (
+            ["--model", "mistral-7b", "--gpus", "1xV100-16GB", "--precision", "bf16-mixed", "--attention", "flash2"],
+            "use fp16-mixed",
+        ),
+        (["--model", "mistral-7b", "--gpus", "1xA10", "--seq-len", "0"], "--seq-len"),
+    ],
+)
 def test_bad_input_is_one_clear_line(args, fragment):
     r = CliRunner().invoke(cli, ["estimate", *args])
     assert r.exit_code != 0

@@ -30,11 +30,35 @@ def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     db = f"sqlite:///{tmp_path / 'a.db'}"
     out = tmp_path / "out"
     t0 = time.perf_counter()
-    r = CliRunner().invoke(cli, [
-        "search", "--model", str(model), "--gpus", "1xcpu", "--evaluator", "measured", "--trials", "8",
-        "--cpu-mem-budget", "36MiB", "--headroom", "0", "--seq-len", "256", "--global-batch", "8",
-        "--db", db, "--out", str(out), "--work-dir", str(tmp_path / "trials"), "--json",
-    ])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "search",
+            "--model",
+            str(model),
+            "--gpus",
+            "1xcpu",
+            "--evaluator",
+            "measured",
+            "--trials",
+            "8",
+            "--cpu-mem-budget",
+            "36MiB",
+            "--headroom",
+            "0",
+            "--seq-len",
+            "256",
+            "--global-batch",
+            "8",
+            "--db",
+            db,
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "trials"),
+            "--json",
+        ],
+    )
     wall = time.perf_counter() - t0
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)

@@ -7,8 +7,20 @@ from click.testing import CliRunner
 
 from autofit.cli import cli
 
-ARGS = ["--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
-        "--trials", "6"]
+ARGS = [
+    "--model",
+    "gpt2",
+    "--gpus",
+    "1xA10",
+    "--seq-len",
+    "1024",
+    "--global-batch",
+    "8",
+    "--evaluator",
+    "analytic",
+    "--trials",
+    "6",
+]
 
 
 def run(*args, ok=True):

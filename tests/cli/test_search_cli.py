@@ -7,8 +7,20 @@ from click.testing import CliRunner
 
 from autofit.cli import cli
 
-ARGS = ["--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
-        "--trials", "6"]
+ARGS = [
+    "--model",
+    "gpt2",
+    "--gpus",
+    "1xA10",
+    "--seq-len",
+    "1024",
+    "--global-batch",
+    "8",
+    "--evaluator",
+    "analytic",
+    "--trials",
+    "6",
+]
 
 
 def run(*args, ok=True):
@@ -44,7 +56,8 @@ def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
 
     exported = json.loads(run("export", study, "--out", tmp_path / "again", "--db", db_url, "--json").stdout)
     assert sorted(p.rsplit("/", 1)[-1] for p in exported["files"]) == sorted(
-        p.rsplit("/", 1)[-1] for p in data["exported"])
+        p.rsplit("/", 1)[-1] for p in data["exported"]
+    )
 
 
 def test_tables_render(db_url, tmp_path):
@@ -58,10 +71,13 @@ def test_best_without_a_stored_plan_exits_non_zero(db_url):
     assert r.exit_code == 1 and "no stored plan fits" in r.output
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["show", "no-such-study"], "no study named"),
-    (["export", "no-such-study", "--out", "x"], "no study named"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["show", "no-such-study"], "no study named"),
+        (["export", "no-such-study", "--out", "x"], "no study named"),
+    ],
+)
 def test_unknown_study(db_url, args, fragment):
     r = run(*args, "--db", db_url, ok=False)
     assert r.exit_code != 0 and fragment in r.output and "Traceback" not in r.output
@@ -142,8 +158,10 @@ def test_the_worker_hint_is_shell_quoted(tmp_path):
     bad = "a b;$(touch pwned)"
     with Store(str(path)) as store:
         with store.engine.begin() as conn:
-            conn.execute(text("UPDATE autofit_studies SET name = :bad WHERE name = :name"),
-                         {"bad": bad, "name": json.loads(created.stdout)["study"]})
+            conn.execute(
+                text("UPDATE autofit_studies SET name = :bad WHERE name = :name"),
+                {"bad": bad, "name": json.loads(created.stdout)["study"]},
+            )
     r = run("search", *ARGS, "--db", str(path), "--out", "", "--workers", "0", "--resume", "--name", bad)
     line = next(ln for ln in r.stderr.splitlines() if "autofit worker" in ln)
     argv = shlex.split(line)
@@ -170,14 +188,21 @@ def test_export_show_history_and_best_pick_the_same_trial(db_url, tmp_path):
         rec = store.create_study(ctx, evaluator="measured", name="superseded")
         store.record_trial(rec.id, fast)  # #0: predicted fastest
         store.record_trial(rec.id, slow)  # #1
-        store.record_trial(rec.id, dataclasses.replace(fast, evaluator="measured", status=Status.OOM,
-                                                       throughput=None, reason="CUDA out of memory"))  # #2
+        store.record_trial(
+            rec.id,
+            dataclasses.replace(
+                fast, evaluator="measured", status=Status.OOM, throughput=None, reason="CUDA out of memory"
+            ),
+        )  # #2
         store.finish_study(rec.id)
         outcome = stored_outcome(request_from_study(rec), store, store.get_study(rec.id))
     shown = json.loads(run("show", "superseded", "--db", db_url, "--json").stdout)
     winner = shown["standing"]["best"]
-    numbers = [t["number"] for t in shown["trials"]
-               if (t["plan_id"], t["evaluator"]) == (winner["plan_id"], winner["evaluator"])]
+    numbers = [
+        t["number"]
+        for t in shown["trials"]
+        if (t["plan_id"], t["evaluator"]) == (winner["plan_id"], winner["evaluator"])
+    ]
     assert winner["plan_id"] == slow.plan.plan_id and numbers == [1]
     exported = json.loads(run("export", "superseded", "--out", tmp_path / "cfg", "--db", db_url, "--json").stdout)
     assert exported["trial"] == 1

@@ -5,21 +5,23 @@ import pytest
 from autofit.evaluators import costs
 from autofit.evaluators.analytic import AnalyticEvaluator, estimate, logits_bytes
 from autofit.evaluators.costs import state_bytes
-from autofit.specs import Target
 from autofit.plan import Plan
-from autofit.specs import MODELS, Workload, parse_cluster
+from autofit.specs import MODELS, Target, Workload, parse_cluster
 from tests.conftest import tiny
 
 N7 = MODELS["mistral-7b"].n_params
 
 
-@pytest.mark.parametrize("plan,w,g,master,states", [
-    (Plan(precision="32-true"), 4, 4, 0, 8),
-    (Plan(precision="bf16-true"), 2, 2, 0, 4),
-    (Plan(precision="bf16-mixed"), 4, 4, 0, 8),  # fp32 weights under autocast, no master copy
-    (Plan(precision="bf16-mixed", sharding="zero2"), 2, 2, 4, 8),  # DeepSpeed: 16-bit weights + fp32 master
-    (Plan(precision="bf16-mixed", optimizer="sgd"), 4, 4, 0, 0),
-])
+@pytest.mark.parametrize(
+    "plan,w,g,master,states",
+    [
+        (Plan(precision="32-true"), 4, 4, 0, 8),
+        (Plan(precision="bf16-true"), 2, 2, 0, 4),
+        (Plan(precision="bf16-mixed"), 4, 4, 0, 8),  # fp32 weights under autocast, no master copy
+        (Plan(precision="bf16-mixed", sharding="zero2"), 2, 2, 4, 8),  # DeepSpeed: 16-bit weights + fp32 master
+        (Plan(precision="bf16-mixed", optimizer="sgd"), 4, 4, 0, 0),
+    ],
+)
 def test_bytes_per_parameter(plan, w, g, master, states):
     sb = state_bytes(MODELS["mistral-7b"], plan)
     assert sb.weights == w * N7
@@ -93,7 +95,8 @@ def test_evaluator_judges_fit_against_headroom():
     r = AnalyticEvaluator().evaluate(Plan(precision="bf16-mixed"), ctx)
     assert r.status.value == "oom" and "over the" in r.reason and r.memory.device_total > ctx.capacity_bytes
     q = AnalyticEvaluator().evaluate(
-        Plan(method="qlora", lora_rank=16, checkpointing="full", attention="flash2", fused_loss=True), ctx)
+        Plan(method="qlora", lora_rank=16, checkpointing="full", attention="flash2", fused_loss=True), ctx
+    )
     assert q.fits and q.tokens_per_sec > 0
 
 

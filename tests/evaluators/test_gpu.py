@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from autofit.specs import Target
-from autofit.results import Status
 from autofit.evaluators.measured import local_gpus
 from autofit.plan import Plan
-from autofit.specs import Workload, parse_cluster
+from autofit.results import Status
+from autofit.specs import Target, Workload, parse_cluster
 from tests.conftest import tiny
 
 GPUS = local_gpus()
@@ -27,15 +26,15 @@ PLANS = {
     "full-mixed": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa"),
     "full-ckpt": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa", checkpointing="full"),
     "lora": Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa"),
-    "qlora": Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2,
-                  attention="sdpa"),
+    "qlora": Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa"),
 }
 
 
 def gpu_ctx() -> Target:
     # a model big enough that the allocator's rounding and the CUDA context are not the whole story
-    spec = tiny("mistral-7b", layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16, head_dim=64,
-                vocab_size=8000)
+    spec = tiny(
+        "mistral-7b", layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16, head_dim=64, vocab_size=8000
+    )
     return Target(spec, parse_cluster(f"1x{GPUS[0].name}"), Workload(seq_len=512, global_batch=4))
 
 

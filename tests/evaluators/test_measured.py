@@ -14,12 +14,11 @@ import pytest
 from autofit.errors import AutofitError
 from autofit.evaluators import get_evaluator, resolve_evaluator
 from autofit.evaluators.analytic import estimate
-from autofit.specs import Target
-from autofit.results import Status
 from autofit.evaluators.measured import MeasuredEvaluator, alive, child_env, not_measurable
 from autofit.plan import Plan
+from autofit.results import Status
 from autofit.search.request import with_cpu_budget
-from autofit.specs import LengthDistribution, Workload, parse_cluster
+from autofit.specs import LengthDistribution, Target, Workload, parse_cluster
 from autofit.specs.gpus import match_gpu
 from tests.conftest import tiny
 
@@ -28,8 +27,15 @@ GiB = 2**30
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def cpu_ctx(gpus: str = "1xcpu", budget: str = "1GiB", seq_len: int = 128, global_batch: int = 4,
-            model: str = "mistral-7b", headroom: float = 0.05, lengths=None) -> Target:
+def cpu_ctx(
+    gpus: str = "1xcpu",
+    budget: str = "1GiB",
+    seq_len: int = 128,
+    global_batch: int = 4,
+    model: str = "mistral-7b",
+    headroom: float = 0.05,
+    lengths=None,
+) -> Target:
     cluster = with_cpu_budget(parse_cluster(gpus), budget)
     workload = Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths)
     return Target(tiny(model), cluster, workload, headroom)
@@ -40,20 +46,23 @@ LENGTHS = LengthDistribution(((24, 6), (128, 1)))
 
 
 # -- pure parts -------------------------------------------------------------------------------
-@pytest.mark.parametrize("device,memory_gib,expected", [
-    ("NVIDIA A100-SXM4-80GB", 80, "A100-80GB"),
-    ("NVIDIA A100-SXM4-40GB", 40, "A100-40GB"),
-    ("NVIDIA H100 80GB HBM3", 80, "H100-80GB"),
-    ("NVIDIA H100 PCIe", 80, "H100-PCIE"),
-    ("NVIDIA A10G", 23, "A10G"),
-    ("NVIDIA A10", 23, "A10"),
-    ("NVIDIA L4", 22, "L4"),
-    ("NVIDIA L40S", 45, "L40S"),
-    ("NVIDIA GeForce RTX 4090", 24, "RTX4090"),
-    ("NVIDIA RTX A6000", 48, "A6000"),
-    ("NVIDIA H200", 140, "H200"),
-    ("NVIDIA B200", 180, None),
-])
+@pytest.mark.parametrize(
+    "device,memory_gib,expected",
+    [
+        ("NVIDIA A100-SXM4-80GB", 80, "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", 40, "A100-40GB"),
+        ("NVIDIA H100 80GB HBM3", 80, "H100-80GB"),
+        ("NVIDIA H100 PCIe", 80, "H100-PCIE"),
+        ("NVIDIA A10G", 23, "A10G"),
+        ("NVIDIA A10", 23, "A10"),
+        ("NVIDIA L4", 22, "L4"),
+        ("NVIDIA L40S", 45, "L40S"),
+        ("NVIDIA GeForce RTX 4090", 24, "RTX4090"),
+        ("NVIDIA RTX A6000", 48, "A6000"),
+        ("NVIDIA H200", 140, "H200"),
+        ("NVIDIA B200", 180, None),
+    ],
+)
 def test_local_gpu_names_map_to_the_catalog(device, memory_gib, expected):
     g = match_gpu(device, memory_gib * GiB)
     assert (g.name if g else None) == expected
@@ -153,11 +162,19 @@ def test_qlora_is_quantized_layer_by_layer_without_a_16bit_model(family):
 # -- real single-process trials ------------------------------------------------------------------
 PLANS = {
     "full": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2),
-    "full-8bit-ckpt": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, optimizer="adamw-8bit",
-                           checkpointing="full"),
+    "full-8bit-ckpt": Plan(
+        precision="bf16-mixed", micro_batch=2, grad_accum=2, optimizer="adamw-8bit", checkpointing="full"
+    ),
     "lora": Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2),
-    "qlora-ckpt-fused": Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2,
-                             checkpointing="full", fused_loss=True),
+    "qlora-ckpt-fused": Plan(
+        method="qlora",
+        lora_rank=8,
+        precision="bf16-mixed",
+        micro_batch=2,
+        grad_accum=2,
+        checkpointing="full",
+        fused_loss=True,
+    ),
 }
 
 
@@ -232,8 +249,11 @@ def test_the_plan_s_techniques_are_really_applied(single_runs):
 def test_measured_peaks_beside_the_analytic_prediction(single_runs):
     """The stored pair's gap, within the analytic estimate's validated ±4% (test_analytic.py).
     The simulator (same tracker, so it should be within 2%) will take the analytic's place here."""
-    gaps = {name: estimate(PLANS[name], ctx).memory.peak_allocated / r.memory.peak_allocated - 1
-            for name, (r, _, ctx) in single_runs.items() if name in PLANS}
+    gaps = {
+        name: estimate(PLANS[name], ctx).memory.peak_allocated / r.memory.peak_allocated - 1
+        for name, (r, _, ctx) in single_runs.items()
+        if name in PLANS
+    }
     print({k: f"{v:+.2%}" for k, v in gaps.items()})
     assert all(abs(g) < 0.04 for g in gaps.values()), gaps
 
@@ -284,15 +304,30 @@ def test_the_pruner_stops_a_running_trial_through_the_search_objective(tmp_path)
     from autofit.store import Store
 
     ctx = cpu_ctx()
-    request = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), evaluator="measured", trials=1,
-                            evaluator_options={"timeout_s": 300, "env": ENV, "timed_steps": 3})
+    request = SearchRequest(
+        ctx=ctx,
+        allowed=Allowed.parse(methods="lora"),
+        evaluator="measured",
+        trials=1,
+        evaluator_options={"timeout_s": 300, "env": ENV, "timed_steps": 3},
+    )
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
         rec = store.create_study(ctx, evaluator="measured")
         objective = _Objective(request, SearchSpace(ctx, request.allowed), store, rec.id, None)
         # no throughput reaches 1e12 tokens/s: the threshold pruner stops the trial at its first report
         study = optuna.create_study(direction="maximize", pruner=optuna.pruners.ThresholdPruner(lower=1e12))
-        study.enqueue_trial({"lora_rank": 16, "precision": "bf16-mixed", "optimizer": "adamw", "sharding": "none",
-                             "micro_batch": 2, "checkpointing": "none", "attention": "sdpa", "fused_loss": False})
+        study.enqueue_trial(
+            {
+                "lora_rank": 16,
+                "precision": "bf16-mixed",
+                "optimizer": "adamw",
+                "sharding": "none",
+                "micro_batch": 2,
+                "checkpointing": "none",
+                "attention": "sdpa",
+                "fused_loss": False,
+            }
+        )
         study.optimize(objective, n_trials=1)
         assert study.trials[0].state is optuna.trial.TrialState.PRUNED
         row = store.trial_result(store.trials(rec.id)[0])
@@ -312,7 +347,10 @@ def test_the_work_dir_is_checked_without_creating_anything(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     for path, fragment in [
         (tmp_path / "afile", f"work directory {tmp_path}/afile is a file"),
-        (tmp_path / "afile" / "sub" / "x", f"cannot create work directory {tmp_path}/afile/sub/x: {tmp_path}/afile is a file"),
+        (
+            tmp_path / "afile" / "sub" / "x",
+            f"cannot create work directory {tmp_path}/afile/sub/x: {tmp_path}/afile is a file",
+        ),
         (tmp_path / "dangling", "is a broken link"),
     ]:
         with pytest.raises(AutofitError) as err:

@@ -15,13 +15,12 @@ import time
 import pytest
 
 from autofit.evaluators.analytic import estimate
-from autofit.specs import Target
-from autofit.results import Status
 from autofit.evaluators.measured import MeasuredEvaluator, alive
 from autofit.export import export_files
 from autofit.plan import Plan
+from autofit.results import Status
 from autofit.search.request import with_cpu_budget
-from autofit.specs import Workload, parse_cluster
+from autofit.specs import Target, Workload, parse_cluster
 from tests.conftest import tiny
 
 pytestmark = pytest.mark.slow
@@ -46,7 +45,7 @@ def session_members(sid: int) -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z" and int(fields[3]) == sid:
             out.append(int(entry))
     return out
@@ -112,8 +111,10 @@ def test_a_hanging_child_times_out_and_leaves_no_process():
     # the hang ignores SIGTERM: the parent must escalate to SIGKILL
     ev = MeasuredEvaluator(timeout_s=12, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})
     t0 = time.perf_counter()
-    r = ev.evaluate(Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2),
-                    ctx_for("1xcpu", global_batch=4))
+    r = ev.evaluate(
+        Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2),
+        ctx_for("1xcpu", global_batch=4),
+    )
     assert r.status is Status.TIMEOUT and "no result within 12 s (stopped after step 0)" in r.reason
     assert time.perf_counter() - t0 < 12 + 2 * 3 + 5
     rank = r.extra["ranks"][0]
@@ -146,8 +147,17 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
     # the enforced budget (the evaluator's) sits below what the third plan needs
     budget = int(0.8 * estimate(first[2], ctx).memory.peak_allocated)
     faults = f"crash@0:{first[0].plan_id};hang@1:{first[1].plan_id}"
-    request = SearchRequest(ctx=ctx, allowed=allowed, evaluator="measured", trials=6, evaluator_options={
-        "timeout_s": 15, "cpu_mem_budget": budget, "env": {**ENV, "AUTOFIT_TEST_TRIAL_FAULT": faults}})
+    request = SearchRequest(
+        ctx=ctx,
+        allowed=allowed,
+        evaluator="measured",
+        trials=6,
+        evaluator_options={
+            "timeout_s": 15,
+            "cpu_mem_budget": budget,
+            "env": {**ENV, "AUTOFIT_TEST_TRIAL_FAULT": faults},
+        },
+    )
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
         out = run_search(request, store)
         rows = [store.trial_result(t) for t in store.trials(out.study.id)]
@@ -184,8 +194,11 @@ def test_ctrl_c_in_the_parent_takes_the_child_down():
 
     ev = MeasuredEvaluator(timeout_s=120, env=ENV)
     with pytest.raises(KeyboardInterrupt):
-        ev.evaluate(Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2), ctx_for("1xcpu", global_batch=4),
-                    on_step=interrupt)
+        ev.evaluate(
+            Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2),
+            ctx_for("1xcpu", global_batch=4),
+            on_step=interrupt,
+        )
     assert len(running) == 1 and len(running[0]) == 1  # the child was there at its first step
     assert not alive(running[0][0]) and not _trial_children()
 
@@ -203,7 +216,7 @@ def _trial_children() -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if b"autofit.evaluators._trial_main" in cmd and fields[0] != "Z" and int(fields[1]) == os.getpid():
             out.append(int(entry))
     return out

@@ -20,19 +20,18 @@ from autofit.evaluators import costs
 from autofit.evaluators import runtime as rt
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.costs import state_bytes
-from autofit.specs import Target
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.evaluators.simulated import (
     SimulatedEvaluator,
-    TraceDevice,
     TraceCache,
+    TraceDevice,
     TraceKey,
     cuda_kernels_mode,
     cuda_sdpa_kernel,
     run_trace,
 )
 from autofit.plan import Plan
-from autofit.specs import LengthDistribution, Workload, parse_cluster
+from autofit.specs import LengthDistribution, Target, Workload, parse_cluster
 from tests.conftest import tiny
 
 PEAK_TOL = 0.02
@@ -85,8 +84,12 @@ FAST = [
     ("qwen2.5-7b", Plan(precision="bf16-true", micro_batch=1, grad_accum=2, attention="eager", fused_loss=True)),
     ("qwen2.5-7b", Plan(precision="bf16-true", optimizer="adamw-8bit", micro_batch=2, checkpointing="full")),
     ("gpt2", Plan(precision="bf16-true", micro_batch=2, attention="eager")),
-    ("gpt2", Plan(method="lora", lora_rank=8, lora_targets="attention", precision="fp16-mixed", micro_batch=2,
-                  fused_loss=True)),
+    (
+        "gpt2",
+        Plan(
+            method="lora", lora_rank=8, lora_targets="attention", precision="fp16-mixed", micro_batch=2, fused_loss=True
+        ),
+    ),
 ]
 
 
@@ -103,8 +106,16 @@ def test_padded_batches_from_a_length_distribution():
 
 # the full grid (slow): families × precision × method × checkpointing × attention × optimizer × micro-batch × loss
 GRID_PLANS = [
-    Plan(precision=prec, method=method, lora_rank=8 if method != "full" else None, checkpointing=ckpt,
-         attention=attn, optimizer=opt, micro_batch=mb, fused_loss=fused)
+    Plan(
+        precision=prec,
+        method=method,
+        lora_rank=8 if method != "full" else None,
+        checkpointing=ckpt,
+        attention=attn,
+        optimizer=opt,
+        micro_batch=mb,
+        fused_loss=fused,
+    )
     for prec, method, ckpt, attn, opt, mb, fused in [
         ("32-true", "full", "none", "sdpa", "adamw", 1, False),
         ("32-true", "full", "full", "eager", "sgd", 2, True),
@@ -139,11 +150,17 @@ def test_accuracy_with_padding(family, mb, ga):
     check(family, Plan(precision="bf16-mixed", micro_batch=mb, grad_accum=ga), seq_len=128, lengths=LENGTHS)
 
 
-@pytest.mark.parametrize("plan,reason", [
-    (Plan(precision="bf16-true", attention="flash2"), "flash2 needs a CUDA GPU and the flash_attn package"),
-    (Plan(precision="bf16-true", attention="flash2", packing=True), "packing needs flash2 (CUDA only)"),
-    (Plan(precision="bf16-mixed", sharding="zero2"), "sharding runs as several ranks; one process cannot measure one"),
-])
+@pytest.mark.parametrize(
+    "plan,reason",
+    [
+        (Plan(precision="bf16-true", attention="flash2"), "flash2 needs a CUDA GPU and the flash_attn package"),
+        (Plan(precision="bf16-true", attention="flash2", packing=True), "packing needs flash2 (CUDA only)"),
+        (
+            Plan(precision="bf16-mixed", sharding="zero2"),
+            "sharding runs as several ranks; one process cannot measure one",
+        ),
+    ],
+)
 def test_techniques_the_cpu_cannot_run(plan, reason):
     pytest.skip(f"{plan.summary()}: {reason}; see test_cuda_kernels_* and test_sharding_* for what the simulator does")
 
@@ -153,14 +170,17 @@ def traced_ops(trace, phase="forward"):
     return {op for op, *_ in trace.ops.rows.get(phase, [])}
 
 
-@pytest.mark.parametrize("cc,dtype,masked,gqa,expected", [
-    ((8, 0), "bf16", False, True, "flash"),
-    ((8, 0), "bf16", True, False, "efficient"),
-    ((8, 0), "fp32", False, False, "efficient"),
-    ((8, 0), "fp32", False, True, "math"),  # efficient has no GQA in torch 2.13
-    ((7, 5), "fp16", False, False, "efficient"),  # T4: no flash before sm80
-    ((7, 5), "bf16", False, False, "math"),  # no bf16 kernels before sm80
-])
+@pytest.mark.parametrize(
+    "cc,dtype,masked,gqa,expected",
+    [
+        ((8, 0), "bf16", False, True, "flash"),
+        ((8, 0), "bf16", True, False, "efficient"),
+        ((8, 0), "fp32", False, False, "efficient"),
+        ((8, 0), "fp32", False, True, "math"),  # efficient has no GQA in torch 2.13
+        ((7, 5), "fp16", False, False, "efficient"),  # T4: no flash before sm80
+        ((7, 5), "bf16", False, False, "math"),  # no bf16 kernels before sm80
+    ],
+)
 def test_cuda_sdpa_kernel_choice(cc, dtype, masked, gqa, expected):
     import torch
 
@@ -214,7 +234,9 @@ def test_checkpoint_recompute_runs_the_target_kernels():
     # kernels are entered again for the recompute in backward
     spec = tiny("gpt2")
     wl = Workload(seq_len=128, global_batch=2)
-    tr = run_trace(spec, Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full"), wl, TraceDevice("cuda", (8, 0)))
+    tr = run_trace(
+        spec, Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full"), wl, TraceDevice("cuda", (8, 0))
+    )
     assert "_scaled_dot_product_flash_attention" in traced_ops(tr, "backward")  # the recompute
     assert "native_dropout" in traced_ops(tr, "backward")
 
@@ -229,8 +251,9 @@ def test_same_kernels_trace_the_same_bytes_on_both_targets():
     gpu = run_trace(spec, plan, wl, TraceDevice("cuda", (9, 0)))
     rng_state = 2 * 512 * spec.num_layers
     assert gpu.peak_components["activations"] - cpu.peak_components["activations"] == rng_state
-    assert {k: v for k, v in gpu.peak_components.items() if k != "activations"} == \
-        {k: v for k, v in cpu.peak_components.items() if k != "activations"}
+    assert {k: v for k, v in gpu.peak_components.items() if k != "activations"} == {
+        k: v for k, v in cpu.peak_components.items() if k != "activations"
+    }
 
 
 def test_flash2_stand_in():
@@ -328,8 +351,20 @@ def test_cli_json_has_the_analytic_schema():
 
     from autofit.cli import cli
 
-    args = ["estimate", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "64", "--global-batch", "2",
-            "--micro-batch", "2", "--json"]
+    args = [
+        "estimate",
+        "--model",
+        "gpt2",
+        "--gpus",
+        "1xA10",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--json",
+    ]
     outs = {}
     for backend in ("analytic", "simulated"):
         r = CliRunner().invoke(cli, [*args, "--evaluator", backend], catch_exceptions=False)
@@ -430,14 +465,40 @@ def test_simulated_estimate_and_search_print_no_library_warnings(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS")}
     common = ["-m", "gpt2", "-g", "1xT4", "--evaluator", "simulated", "--seq-len", "128", "--global-batch", "4"]
-    est = subprocess.run([sys.executable, "-m", "autofit", "estimate", *common, "--method", "lora", "--db",
-                          str(tmp_path / "e.db")], env=env, capture_output=True, text=True, timeout=600)
+    est = subprocess.run(
+        [sys.executable, "-m", "autofit", "estimate", *common, "--method", "lora", "--db", str(tmp_path / "e.db")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert est.returncode == 0, est.stderr[-2000:]
     assert est.stderr == ""
-    search = subprocess.run([sys.executable, "-m", "autofit", "search", *common, "--methods", "lora", "--trials", "2",
-                             "--db", str(tmp_path / "s.db"), "--out", ""], env=env, capture_output=True, text=True,
-                            timeout=600)
+    search = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autofit",
+            "search",
+            *common,
+            "--methods",
+            "lora",
+            "--trials",
+            "2",
+            "--db",
+            str(tmp_path / "s.db"),
+            "--out",
+            "",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert search.returncode == 0, search.stderr[-2000:]
-    noise = [line for line in search.stderr.splitlines()
-             if re.search(r"warn|\[transformers\]|site-packages|loss_type|fan_in_fan_out", line, re.I)]
+    noise = [
+        line
+        for line in search.stderr.splitlines()
+        if re.search(r"warn|\[transformers\]|site-packages|loss_type|fan_in_fan_out", line, re.I)
+    ]
     assert noise == [], search.stderr

@@ -84,14 +84,21 @@ def accelerate_launch(monkeypatch, launch_options):
     processing and environment preparation on it (pure functions; nothing is started)."""
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     def launch(path: Path) -> Launch:
         monkeypatch.chdir(path.parent)
         config = load_config_from_file(str(path))
         unknown = [k for k in config.deepspeed_config if k not in launch_options]
-        unknown += [k if k.startswith("fsdp") else "fsdp_" + k for k in config.fsdp_config
-                    if (k if k.startswith("fsdp") else "fsdp_" + k) not in launch_options]
+        unknown += [
+            k if k.startswith("fsdp") else "fsdp_" + k
+            for k in config.fsdp_config
+            if (k if k.startswith("fsdp") else "fsdp_" + k) not in launch_options
+        ]
         args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
         args, defaults, mp_from_config = _validate_launch_command(args)
         if args.use_deepspeed:

@@ -21,13 +21,20 @@ model_cfg = AutoConfig.from_pretrained(sys.argv[1])
 model = AutoModelForCausalLM.from_config(model_cfg, **t["model_kwargs"])
 
 args = TrainingArguments(
-    output_dir="out", use_cpu=True, max_steps=2, report_to=[], save_strategy="no", logging_steps=1,
+    output_dir="out",
+    use_cpu=True,
+    max_steps=2,
+    report_to=[],
+    save_strategy="no",
+    logging_steps=1,
     **t["training_arguments"],
 )
 seq = 32
 gen = torch.Generator().manual_seed(0)
-data = [{"input_ids": ids, "labels": ids.clone()}
-        for ids in torch.randint(0, model_cfg.vocab_size, (64, seq), generator=gen)]
+data = [
+    {"input_ids": ids, "labels": ids.clone()}
+    for ids in torch.randint(0, model_cfg.vocab_size, (64, seq), generator=gen)
+]
 trainer = Trainer(model=model, args=args, train_dataset=data)
 out = trainer.train()
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
-from autofit.specs import Target
 from autofit.plan import (
     Attention,
     Checkpointing,
@@ -19,6 +18,7 @@ from autofit.plan import (
     plan_problems,
 )
 from autofit.search.request import build_context
+from autofit.specs import Target
 
 # (model, gpus per node, nodes, global batch, seq_len): every family, bf16 and fp16-only
 # GPUs, one GPU (offload-only sharding), several GPUs, two nodes.
@@ -82,23 +82,58 @@ def all_sweep_plans() -> list[tuple[str, Target, Plan]]:
 GOLDEN = {
     "zero2-bf16-2xA10-mistral-7b": (
         ("mistral-7b", "2xA10", 1, 16, 2048),
-        dict(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=1, grad_accum=8,
-             checkpointing="full", attention="flash2", sharding="zero2"),
+        dict(
+            method="lora",
+            lora_rank=16,
+            precision="bf16-mixed",
+            micro_batch=1,
+            grad_accum=8,
+            checkpointing="full",
+            attention="flash2",
+            sharding="zero2",
+        ),
     ),
     "zero3-offload-8xH100-llama-3-70b": (
         ("llama-3-70b", "8xH100", 1, 32, 4096),
-        dict(method="full", precision="bf16-mixed", micro_batch=1, grad_accum=4, checkpointing="full",
-             attention="flash2", sharding="zero3", offload="optimizer"),
+        dict(
+            method="full",
+            precision="bf16-mixed",
+            micro_batch=1,
+            grad_accum=4,
+            checkpointing="full",
+            attention="flash2",
+            sharding="zero3",
+            offload="optimizer",
+        ),
     ),
     "fsdp-qlora-2xA100-llama-3-8b": (
         ("llama-3-8b", "2xA100", 1, 16, 4096),
-        dict(method="qlora", lora_rank=16, precision="bf16-mixed", micro_batch=2, grad_accum=4,
-             checkpointing="full", attention="flash2", sharding="fsdp", packing=True, fused_loss=True),
+        dict(
+            method="qlora",
+            lora_rank=16,
+            precision="bf16-mixed",
+            micro_batch=2,
+            grad_accum=4,
+            checkpointing="full",
+            attention="flash2",
+            sharding="fsdp",
+            packing=True,
+            fused_loss=True,
+        ),
     ),
     "single-lora-1xRTX4090-llama-3-8b": (
         ("llama-3-8b", "1xRTX4090", 1, 16, 2048),
-        dict(method="lora", lora_rank=16, precision="bf16-mixed", optimizer="adamw-8bit", micro_batch=2,
-             grad_accum=8, checkpointing="full", attention="sdpa", fused_loss=True),
+        dict(
+            method="lora",
+            lora_rank=16,
+            precision="bf16-mixed",
+            optimizer="adamw-8bit",
+            micro_batch=2,
+            grad_accum=8,
+            checkpointing="full",
+            attention="sdpa",
+            fused_loss=True,
+        ),
     ),
 }
 
@@ -106,4 +141,3 @@ GOLDEN = {
 def golden(name: str) -> tuple[Target, Plan]:
     (model, gpus, nodes, global_batch, seq_len), plan = GOLDEN[name]
     return build_context(model, gpus, nodes=nodes, global_batch=global_batch, seq_len=seq_len), Plan(**plan)
-

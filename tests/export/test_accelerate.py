@@ -69,7 +69,8 @@ def check(plan, ctx, launch, launched_env) -> None:
         assert plugin.transformer_cls_names_to_wrap == [ctx.model.family.decoder_layer]
         assert plugin.reshard_after_forward is True
         assert type(plugin.cpu_offload).__name__ == (
-            "CPUOffloadPolicy" if plan.offload is not Offload.NONE else "OffloadPolicy")
+            "CPUOffloadPolicy" if plan.offload is not Offload.NONE else "OffloadPolicy"
+        )
         assert plugin.activation_checkpointing is (plan.checkpointing is Checkpointing.FULL)
         assert plugin.cpu_ram_efficient_loading is (plan.method is not Method.QLORA)
         assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
@@ -150,9 +151,16 @@ def test_fsdp_wraps_each_familys_decoder_layer(model_type):
     from autofit.evaluators.runtime import hf_model_class
 
     spec = next(m for m in MODELS.values() if m.model_type == model_type)
-    spec = spec.variant(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
-                        num_kv_heads=min(spec.num_kv_heads, 4) if spec.num_kv_heads < spec.num_heads else 4,
-                        head_dim=16, vocab_size=128, name=f"tiny-{model_type}")
+    spec = spec.variant(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=min(spec.num_kv_heads, 4) if spec.num_kv_heads < spec.num_heads else 4,
+        head_dim=16,
+        vocab_size=128,
+        name=f"tiny-{model_type}",
+    )
     cls = hf_model_class(spec)
     with torch.device("meta"):
         model = cls.from_config(spec.to_hf_config()) if cls.__name__.startswith("Auto") else cls(spec.to_hf_config())

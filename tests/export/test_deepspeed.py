@@ -7,10 +7,10 @@ import json
 import pytest
 
 from autofit.errors import ExportError
-from autofit.techniques import deepspeed_buckets
 from autofit.export import deepspeed_config
 from autofit.export.deepspeed import NVME_PATH, nvme_param_buffer
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
+from autofit.techniques import deepspeed_buckets
 from tests.export.plans import TARGETS, sweep, target
 
 _PRECISION = {  # (bf16 enabled, fp16 enabled) in DeepSpeed

@@ -58,8 +58,10 @@ def test_the_files_agree_with_each_other():
             assert "mixed_precision" not in acc
         else:
             assert acc["mixed_precision"] == ("bf16" if ta["bf16"] else "fp16" if ta["fp16"] else "no")
-        assert ta["per_device_train_batch_size"] * ta["gradient_accumulation_steps"] * acc["num_processes"] \
+        assert (
+            ta["per_device_train_batch_size"] * ta["gradient_accumulation_steps"] * acc["num_processes"]
             == ctx.workload.global_batch
+        )
         n += 1
     assert n > 1500
 

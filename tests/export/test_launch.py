@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from autofit.specs import Target
-from autofit.techniques import deepspeed_buckets
 from autofit.export import export_plan
 from autofit.plan import Plan
-from autofit.specs import Workload, parse_cluster
+from autofit.specs import Target, Workload, parse_cluster
+from autofit.techniques import deepspeed_buckets
 from tests.conftest import tiny
 
 
@@ -50,8 +49,15 @@ def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path):
 
     # the exported launch command; only the rendezvous port is chosen here, so that runs
     # sharing this machine do not collide on accelerate's default 29500
-    cmd = _accelerate() + ["launch", "--config_file", "accelerate_config.yaml",
-                           "--main_process_port", str(_free_port()), "train.py", str(tmp_path / "model")]
+    cmd = _accelerate() + [
+        "launch",
+        "--config_file",
+        "accelerate_config.yaml",
+        "--main_process_port",
+        str(_free_port()),
+        "train.py",
+        str(tmp_path / "model"),
+    ]
     # the script needs only the libraries, not autofit, and nothing another test left in the environment
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "PYTHONPATH"))}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -149,10 +149,13 @@ def test_packing_collator_builds_the_runtime_packed_batch():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]
     # the runtime's packed batch has the same shape of labels and positions
-    rt = runtime.synthetic_batch(ctx.model.variant(vocab_size=100, name="v"), plan, ctx.workload.__class__(
-        seq_len=4, global_batch=16))
+    rt = runtime.synthetic_batch(
+        ctx.model.variant(vocab_size=100, name="v"), plan, ctx.workload.__class__(seq_len=4, global_batch=16)
+    )
     assert rt["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
-    assert (rt["labels"][0, [0, 4]] == -100).all() and torch.equal(rt["labels"][0, [1, 2, 3]], rt["input_ids"][0, [1, 2, 3]])
+    assert (rt["labels"][0, [0, 4]] == -100).all() and torch.equal(
+        rt["labels"][0, [1, 2, 3]], rt["input_ids"][0, [1, 2, 3]]
+    )
 
 
 def test_fused_loss_without_a_liger_kernel_names_the_fallback():

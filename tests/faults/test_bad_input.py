@@ -16,8 +16,17 @@ EST = ["estimate", "--global-batch", "8"]
 def files(tmp_path):
     (tmp_path / "nofields").mkdir()
     (tmp_path / "nofields" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
-    (tmp_path / "mamba.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2,
-                                                    "num_attention_heads": 2, "vocab_size": 100}))
+    (tmp_path / "mamba.json").write_text(
+        json.dumps(
+            {
+                "model_type": "mamba",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "vocab_size": 100,
+            }
+        )
+    )
     (tmp_path / "unknown.yaml").write_text("model: gpt2\ngpus: 1xA10\ncolour: blue\n")
     (tmp_path / "types.yaml").write_text("model: gpt2\ngpus: 1xA10\ntrials: many\n")
     (tmp_path / "notyaml.yaml").write_text("model: [gpt2\n  gpus: {\n")
@@ -35,8 +44,16 @@ def files(tmp_path):
 
 def spec_files(d):
     """Files for the model-config, study-file and option cases."""
-    base = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
-            "num_key_value_heads": 2, "intermediate_size": 704, "vocab_size": 1000, "max_position_embeddings": 2048}
+    base = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 704,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+    }
     for name, override in {
         "cfg-str": {"hidden_size": "4096"},
         "cfg-list": {"num_hidden_layers": [2]},
@@ -65,9 +82,18 @@ def spec_files(d):
     laughs = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     laughs += [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
     (d / "laughs.yaml").write_text("\n".join(laughs) + "\n")
-    for name, line in {"trials": "trials: -3", "nodes": "nodes: 0", "seqlen": "seq_len: 0", "batch": "global_batch: 0",
-                       "headroom": "headroom: 0.95", "seed": "seed: -1", "bigseed": "seed: 4294967296",
-                       "ranks": "lora_ranks: [16, 0]", "timeout": "timeout: -5", "backend": "backend: quantum"}.items():
+    for name, line in {
+        "trials": "trials: -3",
+        "nodes": "nodes: 0",
+        "seqlen": "seq_len: 0",
+        "batch": "global_batch: 0",
+        "headroom": "headroom: 0.95",
+        "seed": "seed: -1",
+        "bigseed": "seed: 4294967296",
+        "ranks": "lora_ranks: [16, 0]",
+        "timeout": "timeout: -5",
+        "backend": "backend: quantum",
+    }.items():
         (d / f"range-{name}.yaml").write_text(study + line + "\n")
 
 
@@ -92,10 +118,28 @@ CASES = [
     ("two counts", EST + ["-m", "gpt2", "-g", "2xA10x3"], "malformed"),
     ("seq len 0", EST + ["-m", "gpt2", "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
     ("batch not divisible", ["estimate", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8"], "not divisible"),
-    ("search batch not divisible", ["search", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8", "--evaluator",
-                                    "analytic"], "multiple of the 3 GPUs"),
-    ("contradictory choices", ["search", "-m", "gpt2", "-g", "1xA10", "--methods", "qlora", "--precisions", "32-true",
-                               "--evaluator", "analytic"], "qlora computes in 16-bit"),
+    (
+        "search batch not divisible",
+        ["search", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8", "--evaluator", "analytic"],
+        "multiple of the 3 GPUs",
+    ),
+    (
+        "contradictory choices",
+        [
+            "search",
+            "-m",
+            "gpt2",
+            "-g",
+            "1xA10",
+            "--methods",
+            "qlora",
+            "--precisions",
+            "32-true",
+            "--evaluator",
+            "analytic",
+        ],
+        "qlora computes in 16-bit",
+    ),
     ("unknown method", ["search", "-m", "gpt2", "-g", "1xA10", "--methods", "full,dora"], "--methods"),
     ("study file unknown key", ["search", "--config", "{d}/unknown.yaml"], "unknown key 'colour'"),
     ("study file wrong type", ["search", "--config", "{d}/types.yaml"], "'trials' must be int"),
@@ -105,108 +149,257 @@ CASES = [
     ("db from a newer autofit", ["history", "--db", "{d}/newer.db"], "newer"),
     ("unknown study in show", ["show", "nope", "--db", "{d}/ok.db"], "no study named 'nope'"),
     ("unknown study in export", ["export", "nope", "--out", "{d}/o", "--db", "{d}/ok.db"], "no study named 'nope'"),
-    ("bad duration", ["search", "-m", "gpt2", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
-     "cannot read duration"),
+    (
+        "bad duration",
+        ["search", "-m", "gpt2", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
+        "cannot read duration",
+    ),
     ("bad host memory", EST + ["-m", "gpt2", "-g", "1xA10", "--host-mem", "lots"], "cannot read size"),
-    ("fresh and resume", ["search", "-m", "gpt2", "-g", "1xA10", "--evaluator", "analytic", "--fresh", "--resume",
-                          "--db", "{d}/ok.db"], "give only one"),
+    (
+        "fresh and resume",
+        ["search", "-m", "gpt2", "-g", "1xA10", "--evaluator", "analytic", "--fresh", "--resume", "--db", "{d}/ok.db"],
+        "give only one",
+    ),
 ]
 
 # model configs, study files, options (specs/, studies.py, cli/options.py)
-SPEC_SEARCH = ["search", "--evaluator", "analytic", "--trials", "2", "--global-batch", "8", "--out", "",
-               "--db", "{d}/s.db"]
+SPEC_SEARCH = [
+    "search",
+    "--evaluator",
+    "analytic",
+    "--trials",
+    "2",
+    "--global-batch",
+    "8",
+    "--out",
+    "",
+    "--db",
+    "{d}/s.db",
+]
 SPEC_CASES = [
-    ("config size as a string", EST + ["-m", "{d}/cfg-str/config.json", "-g", "1xA10"],
-     "'hidden_size' must be a positive integer, got \"4096\" (a string); write it without quotes"),
-    ("config size as a list", EST + ["-m", "{d}/cfg-list", "-g", "1xA10"],
-     "'num_hidden_layers' must be a positive integer"),
-    ("config size with a fraction", EST + ["-m", "{d}/cfg-fraction/config.json", "-g", "1xA10"],
-     "{d}/cfg-fraction/config.json': 'hidden_size' must be a positive integer, got 4096.5"),
-    ("config size infinite", EST + ["-m", "{d}/cfg-inf/config.json", "-g", "1xA10"],
-     "'hidden_size' must be a positive integer, got inf"),
-    ("config zero heads", EST + ["-m", "{d}/cfg-zero-heads/config.json", "-g", "1xA10"],
-     "'num_attention_heads' must be a positive integer, got 0"),
-    ("config model type a list", EST + ["-m", "{d}/cfg-type-list/config.json", "-g", "1xA10"],
-     "'model_type' must be a string"),
-    ("config max positions a word", EST + ["-m", "{d}/cfg-maxpos/config.json", "-g", "1xA10"],
-     "'max_position_embeddings' must be a positive integer"),
-    ("config intermediate an object", EST + ["-m", "{d}/cfg-inter/config.json", "-g", "1xA10"],
-     "'intermediate_size' must be a positive integer"),
-    ("config kv heads a string", EST + ["-m", "{d}/cfg-kv/config.json", "-g", "1xA10"],
-     "'num_key_value_heads' must be a positive integer"),
-    ("config head dim a fraction", EST + ["-m", "{d}/cfg-headdim/config.json", "-g", "1xA10"],
-     "'head_dim' must be a positive integer"),
-    ("config tie a string", EST + ["-m", "{d}/cfg-tie/config.json", "-g", "1xA10"],
-     "'tie_word_embeddings' must be true or false"),
-    ("config absurd layer count", EST + ["-m", "{d}/cfg-huge/config.json", "-g", "1xA10"],
-     "beyond the 1,024 any real model has"),
-    ("config not UTF-8", EST + ["-m", "{d}/cfg-binary", "-g", "1xA10"],
-     "{d}/cfg-binary/config.json' is not UTF-8 text"),
+    (
+        "config size as a string",
+        EST + ["-m", "{d}/cfg-str/config.json", "-g", "1xA10"],
+        "'hidden_size' must be a positive integer, got \"4096\" (a string); write it without quotes",
+    ),
+    (
+        "config size as a list",
+        EST + ["-m", "{d}/cfg-list", "-g", "1xA10"],
+        "'num_hidden_layers' must be a positive integer",
+    ),
+    (
+        "config size with a fraction",
+        EST + ["-m", "{d}/cfg-fraction/config.json", "-g", "1xA10"],
+        "{d}/cfg-fraction/config.json': 'hidden_size' must be a positive integer, got 4096.5",
+    ),
+    (
+        "config size infinite",
+        EST + ["-m", "{d}/cfg-inf/config.json", "-g", "1xA10"],
+        "'hidden_size' must be a positive integer, got inf",
+    ),
+    (
+        "config zero heads",
+        EST + ["-m", "{d}/cfg-zero-heads/config.json", "-g", "1xA10"],
+        "'num_attention_heads' must be a positive integer, got 0",
+    ),
+    (
+        "config model type a list",
+        EST + ["-m", "{d}/cfg-type-list/config.json", "-g", "1xA10"],
+        "'model_type' must be a string",
+    ),
+    (
+        "config max positions a word",
+        EST + ["-m", "{d}/cfg-maxpos/config.json", "-g", "1xA10"],
+        "'max_position_embeddings' must be a positive integer",
+    ),
+    (
+        "config intermediate an object",
+        EST + ["-m", "{d}/cfg-inter/config.json", "-g", "1xA10"],
+        "'intermediate_size' must be a positive integer",
+    ),
+    (
+        "config kv heads a string",
+        EST + ["-m", "{d}/cfg-kv/config.json", "-g", "1xA10"],
+        "'num_key_value_heads' must be a positive integer",
+    ),
+    (
+        "config head dim a fraction",
+        EST + ["-m", "{d}/cfg-headdim/config.json", "-g", "1xA10"],
+        "'head_dim' must be a positive integer",
+    ),
+    (
+        "config tie a string",
+        EST + ["-m", "{d}/cfg-tie/config.json", "-g", "1xA10"],
+        "'tie_word_embeddings' must be true or false",
+    ),
+    (
+        "config absurd layer count",
+        EST + ["-m", "{d}/cfg-huge/config.json", "-g", "1xA10"],
+        "beyond the 1,024 any real model has",
+    ),
+    (
+        "config not UTF-8",
+        EST + ["-m", "{d}/cfg-binary", "-g", "1xA10"],
+        "{d}/cfg-binary/config.json' is not UTF-8 text",
+    ),
     ("study file a PNG", ["search", "--config", "{d}/png.yaml"], "png.yaml' is not UTF-8 text"),
     ("study file random bytes", ["search", "--config", "{d}/random.yaml"], "random.yaml' is not UTF-8 text"),
     ("study file over 1 MiB", ["search", "--config", "{d}/huge.yaml"], "is over 1 MiB"),
     ("study file with an alias", SPEC_SEARCH + ["--config", "{d}/alias.yaml"], "uses a YAML alias (line 3)"),
     ("study file billion laughs", ["search", "--config", "{d}/laughs.yaml"], "uses a YAML alias (line 2)"),
-    ("study file negative trials", ["search", "--config", "{d}/range-trials.yaml", "--db", "{d}/s.db", "--out", ""],
-     "'trials': -3 is not in the range x>=1"),
+    (
+        "study file negative trials",
+        ["search", "--config", "{d}/range-trials.yaml", "--db", "{d}/s.db", "--out", ""],
+        "'trials': -3 is not in the range x>=1",
+    ),
     ("study file zero nodes", SPEC_SEARCH + ["--config", "{d}/range-nodes.yaml"], "'nodes': 0 is not in the range"),
-    ("study file zero seq len", SPEC_SEARCH + ["--config", "{d}/range-seqlen.yaml"],
-     "'seq_len': 0 is not in the range"),
-    ("study file zero batch", ["search", "--config", "{d}/range-batch.yaml", "--db", "{d}/s.db", "--out", ""],
-     "'global_batch': 0 is not in the range"),
-    ("study file headroom over 0.9", SPEC_SEARCH + ["--config", "{d}/range-headroom.yaml"],
-     "'headroom': 0.95 is not in the range"),
+    (
+        "study file zero seq len",
+        SPEC_SEARCH + ["--config", "{d}/range-seqlen.yaml"],
+        "'seq_len': 0 is not in the range",
+    ),
+    (
+        "study file zero batch",
+        ["search", "--config", "{d}/range-batch.yaml", "--db", "{d}/s.db", "--out", ""],
+        "'global_batch': 0 is not in the range",
+    ),
+    (
+        "study file headroom over 0.9",
+        SPEC_SEARCH + ["--config", "{d}/range-headroom.yaml"],
+        "'headroom': 0.95 is not in the range",
+    ),
     ("study file negative seed", SPEC_SEARCH + ["--config", "{d}/range-seed.yaml"], "'seed': -1 is not in the range"),
-    ("study file seed past 2**32-1", SPEC_SEARCH + ["--config", "{d}/range-bigseed.yaml"],
-     "'seed': 4294967296 is not in the range"),
-    ("study file zero LoRA rank", SPEC_SEARCH + ["--config", "{d}/range-ranks.yaml"],
-     "'lora_ranks' must be positive integers"),
-    ("study file negative timeout", SPEC_SEARCH + ["--config", "{d}/range-timeout.yaml"],
-     "'timeout': duration -5 must be a positive"),
-    ("study file unknown backend", ["search", "--config", "{d}/range-backend.yaml", "--db", "{d}/s.db", "--out", ""],
-     "'backend': 'quantum' is not one of"),
-    ("negative seed", SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "-1"],
-     "'--seed': -1 is not in the range 0<=x<=4294967295"),
-    ("seed past numpy's range", SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "99999999999"],
-     "'--seed': 99999999999 is not in"),
-    ("hub id offline says what it is not", EST + ["-m", "nobody/no-such-model", "-g", "1xA10"],
-     "not a registered model, not a local path, and the hub is unreachable"),
-    ("cpu budget beyond the machine", EST + ["-m", "gpt2", "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
-     "exceeds this machine's"),
+    (
+        "study file seed past 2**32-1",
+        SPEC_SEARCH + ["--config", "{d}/range-bigseed.yaml"],
+        "'seed': 4294967296 is not in the range",
+    ),
+    (
+        "study file zero LoRA rank",
+        SPEC_SEARCH + ["--config", "{d}/range-ranks.yaml"],
+        "'lora_ranks' must be positive integers",
+    ),
+    (
+        "study file negative timeout",
+        SPEC_SEARCH + ["--config", "{d}/range-timeout.yaml"],
+        "'timeout': duration -5 must be a positive",
+    ),
+    (
+        "study file unknown backend",
+        ["search", "--config", "{d}/range-backend.yaml", "--db", "{d}/s.db", "--out", ""],
+        "'backend': 'quantum' is not one of",
+    ),
+    (
+        "negative seed",
+        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "-1"],
+        "'--seed': -1 is not in the range 0<=x<=4294967295",
+    ),
+    (
+        "seed past numpy's range",
+        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "99999999999"],
+        "'--seed': 99999999999 is not in",
+    ),
+    (
+        "hub id offline says what it is not",
+        EST + ["-m", "nobody/no-such-model", "-g", "1xA10"],
+        "not a registered model, not a local path, and the hub is unreachable",
+    ),
+    (
+        "cpu budget beyond the machine",
+        EST + ["-m", "gpt2", "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
+        "exceeds this machine's",
+    ),
     ("absurd GPU count", EST + ["-m", "gpt2", "-g", "99999999999999999999xT4"], "more than any node holds (at most 72"),
     ("73 GPUs per node", SPEC_SEARCH + ["-m", "gpt2", "-g", "73xT4"], "more than any node holds (at most 72"),
-    ("absurd node count", EST + ["-m", "gpt2", "-g", "1xT4", "--nodes", "99999999999999999999"],
-     "--nodes 99,999,999,999,999,999,999"),
-    ("absurd seq len", EST + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
-     "--seq-len 99,999,999,999 is beyond"),
-    ("absurd seq len in search", SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
-     "is beyond the 1,048,576"),
+    (
+        "absurd node count",
+        EST + ["-m", "gpt2", "-g", "1xT4", "--nodes", "99999999999999999999"],
+        "--nodes 99,999,999,999,999,999,999",
+    ),
+    (
+        "absurd seq len",
+        EST + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
+        "--seq-len 99,999,999,999 is beyond",
+    ),
+    (
+        "absurd seq len in search",
+        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
+        "is beyond the 1,048,576",
+    ),
 ]
 
 # databases, study names, work dirs (store/, cli/)
 SEARCH = ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--evaluator", "analytic", "--out", ""]
-MEASURED = ["search", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--evaluator", "measured", "--trials", "2", "--seq-len",
-            "64", "--global-batch", "2", "--out", "", "--db", "{d}/wd.db"]
+MEASURED = [
+    "search",
+    "-m",
+    "{d}/tiny-gpt2",
+    "-g",
+    "1xcpu",
+    "--evaluator",
+    "measured",
+    "--trials",
+    "2",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "2",
+    "--out",
+    "",
+    "--db",
+    "{d}/wd.db",
+]
 STORE_CASES = [
-    ("db port not a number", ["history", "--db", "postgresql://postgres@127.0.0.1:notaport/x"],
-     "cannot read database URL 'postgresql://postgres@127.0.0.1:notaport/x': its port 'notaport' is not a number"),
-    ("db port not a number, password", ["history", "--db", "postgresql://postgres:pw123@127.0.0.1:notaport/x"],
-     "'postgresql://postgres:***@127.0.0.1:notaport/x'"),
+    (
+        "db port not a number",
+        ["history", "--db", "postgresql://postgres@127.0.0.1:notaport/x"],
+        "cannot read database URL 'postgresql://postgres@127.0.0.1:notaport/x': its port 'notaport' is not a number",
+    ),
+    (
+        "db port not a number, password",
+        ["history", "--db", "postgresql://postgres:pw123@127.0.0.1:notaport/x"],
+        "'postgresql://postgres:***@127.0.0.1:notaport/x'",
+    ),
     ("db IPv6 host unclosed", ["history", "--db", "postgresql://postgres@[::1/x"], "lacks the closing ']'"),
     ("db IPv6 host unbracketed", ["history", "--db", "postgresql://postgres@::1/x"], "goes in brackets"),
     ("db port out of range", ["history", "--db", "postgresql://postgres@127.0.0.1:99999/x"], "outside 1-65535"),
-    ("db of another application", ["history", "--db", "{d}/otherapp.db"],
-     "holds another application's tables (orders, users) and none of autofit's"),
+    (
+        "db of another application",
+        ["history", "--db", "{d}/otherapp.db"],
+        "holds another application's tables (orders, users) and none of autofit's",
+    ),
     ("db upgrade of another application", ["db", "upgrade", "--db", "{d}/otherapp.db"], "give a new file"),
-    ("study name is a path", SEARCH + ["--name", "../../escape", "--db", "{d}/names.db"],
-     "study name '../../escape' is not allowed"),
+    (
+        "study name is a path",
+        SEARCH + ["--name", "../../escape", "--db", "{d}/names.db"],
+        "study name '../../escape' is not allowed",
+    ),
     ("study name starts with a dash", SEARCH + ["--name", "-x", "--db", "{d}/names.db"], "starting with a letter"),
     ("study name too long", SEARCH + ["--name", "n" * 101, "--db", "{d}/names.db"], "1-100 letters"),
-    ("work dir under a file", MEASURED + ["--work-dir", "{d}/blocker/sub"],
-     "cannot create work directory {d}/blocker/sub: {d}/blocker is a file"),
-    ("work dir under a file in estimate", ["estimate", "-m", "{d}/tiny-gpt2", "-g", "1xcpu", "--evaluator", "measured",
-                                           "--seq-len", "64", "--global-batch", "1", "--work-dir", "{d}/blocker/a/b"],
-     "{d}/blocker is a file"),
+    (
+        "work dir under a file",
+        MEASURED + ["--work-dir", "{d}/blocker/sub"],
+        "cannot create work directory {d}/blocker/sub: {d}/blocker is a file",
+    ),
+    (
+        "work dir under a file in estimate",
+        [
+            "estimate",
+            "-m",
+            "{d}/tiny-gpt2",
+            "-g",
+            "1xcpu",
+            "--evaluator",
+            "measured",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "1",
+            "--work-dir",
+            "{d}/blocker/a/b",
+        ],
+        "{d}/blocker is a file",
+    ),
 ]
 
 CASES = CASES + SPEC_CASES + STORE_CASES
@@ -225,8 +418,27 @@ def test_bad_input(files, name, args, fragment):
 
 def test_unknown_trial_in_export(tmp_path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    r = CliRunner().invoke(cli, ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--evaluator", "analytic",
-                                 "--trials", "3", "--db", db, "--out", "", "--json"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "search",
+            "-m",
+            "gpt2",
+            "-g",
+            "1xA10",
+            "--global-batch",
+            "8",
+            "--evaluator",
+            "analytic",
+            "--trials",
+            "3",
+            "--db",
+            db,
+            "--out",
+            "",
+            "--json",
+        ],
+    )
     study = json.loads(r.stdout)["study"]
     r = CliRunner().invoke(cli, ["export", study, "--trial", "99", "--out", str(tmp_path / "o"), "--db", db])
     assert r.exit_code != 0 and "has no trial 99" in r.output and "Traceback" not in r.output

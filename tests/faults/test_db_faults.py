@@ -14,8 +14,24 @@ from click.testing import CliRunner
 from autofit.cli import cli
 from autofit.store import Store
 
-ARGS = ["search", "-m", "gpt2", "-g", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
-        "--trials", "5", "--out", "", "--json"]
+ARGS = [
+    "search",
+    "-m",
+    "gpt2",
+    "-g",
+    "1xA10",
+    "--seq-len",
+    "1024",
+    "--global-batch",
+    "8",
+    "--evaluator",
+    "analytic",
+    "--trials",
+    "5",
+    "--out",
+    "",
+    "--json",
+]
 
 
 def test_search_waits_for_a_writer_that_holds_the_lock(tmp_path):
@@ -44,8 +60,15 @@ def test_search_waits_for_a_writer_that_holds_the_lock(tmp_path):
 
 def test_two_identical_searches_at_once_both_finish_as_two_studies(tmp_path):
     db = f"sqlite:///{tmp_path / 'two.db'}"
-    procs = [subprocess.Popen([sys.executable, "-m", "autofit", *ARGS, "--db", db], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "autofit", *ARGS, "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -64,8 +87,9 @@ def test_files_follow_the_umask(tmp_path):
     old = os.umask(0o027)
     try:
         db = tmp_path / "perm.db"
-        r = CliRunner().invoke(cli, [*ARGS[:-3], "--trials", "2", "--db", f"sqlite:///{db}",
-                                     "--out", str(tmp_path / "out"), "--json"])
+        r = CliRunner().invoke(
+            cli, [*ARGS[:-3], "--trials", "2", "--db", f"sqlite:///{db}", "--out", str(tmp_path / "out"), "--json"]
+        )
         assert r.exit_code == 0, r.output
     finally:
         os.umask(old)
@@ -96,12 +120,34 @@ def test_a_bad_work_dir_is_refused_before_a_study_exists(tmp_path):
     (tmp_path / "afile").write_text("x")
     db = f"sqlite:///{tmp_path / 'w.db'}"
     Store(db).close()
-    r = CliRunner().invoke(cli, ["search", "-m", str(tmp_path / "tiny"), "-g", "1xcpu", "--evaluator", "measured",
-                                 "--trials", "2", "--seq-len", "64", "--global-batch", "2", "--out", "",
-                                 "--work-dir", str(tmp_path / "afile" / "sub"), "--db", db])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "search",
+            "-m",
+            str(tmp_path / "tiny"),
+            "-g",
+            "1xcpu",
+            "--evaluator",
+            "measured",
+            "--trials",
+            "2",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "2",
+            "--out",
+            "",
+            "--work-dir",
+            str(tmp_path / "afile" / "sub"),
+            "--db",
+            db,
+        ],
+    )
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert r.output.strip().splitlines() == [
         f"Error: cannot create work directory {tmp_path}/afile/sub: {tmp_path}/afile is a file; "
-        "give --work-dir a directory that exists or can be created"]
+        "give --work-dir a directory that exists or can be created"
+    ]
     with Store(db) as store:
         assert store.list_studies() == []  # no study left `running`

@@ -13,8 +13,23 @@ from click.testing import CliRunner
 from autofit.cli import cli
 from autofit.store import Store
 
-ARGS = ["search", "-m", "gpt2", "-g", "1xA10", "--seq-len", "1024", "--global-batch", "8", "--evaluator", "analytic",
-        "--trials", "6", "--out", ""]
+ARGS = [
+    "search",
+    "-m",
+    "gpt2",
+    "-g",
+    "1xA10",
+    "--seq-len",
+    "1024",
+    "--global-batch",
+    "8",
+    "--evaluator",
+    "analytic",
+    "--trials",
+    "6",
+    "--out",
+    "",
+]
 
 
 def only_study(db):

@@ -28,9 +28,36 @@ def model_dir(tmp_path):
 
 
 def search_cmd(model_dir, trials, *extra):
-    return [sys.executable, "-m", "autofit", "search", "--model", model_dir, "--gpus", "1xcpu", "--evaluator",
-            "measured", "--trials", str(trials), "--cpu-mem-budget", "2GiB", "--seq-len", "128", "--global-batch", "4",
-            "--steps", "2", "--warmup-steps", "1", "--methods", "full,lora", "--out", "", "--json", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "autofit",
+        "search",
+        "--model",
+        model_dir,
+        "--gpus",
+        "1xcpu",
+        "--evaluator",
+        "measured",
+        "--trials",
+        str(trials),
+        "--cpu-mem-budget",
+        "2GiB",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "4",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--methods",
+        "full,lora",
+        "--out",
+        "",
+        "--json",
+        *extra,
+    ]
 
 
 def trial_processes(work_dir):
@@ -82,8 +109,14 @@ def test_killed_search_resumes_to_its_budget_without_rerunning(tmp_path, model_d
     db = f"sqlite:///{tmp_path / 'k.db'}"
     work = tmp_path / "work"
     env = {**os.environ, "AUTOFIT_DB": db, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(search_cmd(model_dir, 5, "--work-dir", str(work)), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        search_cmd(model_dir, 5, "--work-dir", str(work)),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     # mid-trial: at least one result stored and a trial child running
     assert wait_for(lambda: len(rows(db)[1]) >= 1 and trial_processes(work)), proc.stderr.read()[-2000:]
     before = {r.plan_id for r in rows(db)[1]}
@@ -99,8 +132,13 @@ def test_killed_search_resumes_to_its_budget_without_rerunning(tmp_path, model_d
     assert {r.plan_id for r in stored} >= before  # every finished trial is in the database
     assert rec.status.value == ("interrupted" if sig == signal.SIGINT else "running")
 
-    resumed = subprocess.run(search_cmd(model_dir, 5, "--resume", "--work-dir", str(work)), env=env,
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        search_cmd(model_dir, 5, "--resume", "--work-dir", str(work)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout)["study"] == rec.name
     rec, stored = rows(db)
@@ -117,13 +155,31 @@ def test_a_worker_killed_mid_trial_is_noticed_and_the_study_completes(pg_url, tm
     work.mkdir()
     # workers keep node-local options to themselves; their trial dirs follow TMPDIR
     env = {**os.environ, "AUTOFIT_DB": pg_url, "OMP_NUM_THREADS": "1", "TMPDIR": str(work)}
-    created = subprocess.run(search_cmd(model_dir, 4, "--workers", "0", "--work-dir", str(work)), env=env,
-                             capture_output=True, text=True, timeout=120)
+    created = subprocess.run(
+        search_cmd(model_dir, 4, "--workers", "0", "--work-dir", str(work)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert created.returncode == 0, created.stderr
     study = json.loads(created.stdout)["study"]
-    worker = [sys.executable, "-m", "autofit", "worker", "--study", study, "--heartbeat", "1", "--grace", "4", "--quiet"]
-    victim = subprocess.Popen(worker, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True)
+    worker = [
+        sys.executable,
+        "-m",
+        "autofit",
+        "worker",
+        "--study",
+        study,
+        "--heartbeat",
+        "1",
+        "--grace",
+        "4",
+        "--quiet",
+    ]
+    victim = subprocess.Popen(
+        worker, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     with Store(pg_url) as store:
         rec = store.get_study(study)
         storage = store.optuna_storage()

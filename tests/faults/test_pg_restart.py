@@ -31,9 +31,31 @@ def test_search_survives_a_postgresql_restart(pg_url):
     version = _cluster()
     budget = 120
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autofit", "search", "-m", "gpt2", "-g", "1xA10", "--seq-len", "1024",
-         "--global-batch", "8", "--evaluator", "analytic", "--trials", str(budget), "--out", "", "--json"],
-        env={**os.environ, "AUTOFIT_DB": pg_url}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "autofit",
+            "search",
+            "-m",
+            "gpt2",
+            "-g",
+            "1xA10",
+            "--seq-len",
+            "1024",
+            "--global-batch",
+            "8",
+            "--evaluator",
+            "analytic",
+            "--trials",
+            str(budget),
+            "--out",
+            "",
+            "--json",
+        ],
+        env={**os.environ, "AUTOFIT_DB": pg_url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     with Store(pg_url) as store:
         deadline = time.monotonic() + 60

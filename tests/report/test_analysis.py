@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from autofit.report import analysis
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.results import Status
 from autofit.plan import Checkpointing, Method, Offload, Plan, Sharding, plan_problems
+from autofit.report import analysis
+from autofit.results import Status
 
 
 def stored(study):
@@ -27,8 +27,9 @@ def test_the_winner_runners_up_and_losses_of_a_stored_study(tight_study):
     assert speeds == sorted(speeds, reverse=True) and len(st.ranked) == len(fitting)
     assert st.runners_up(3) == st.ranked[1:4]
     assert st.speed_vs_best(st.ranked[1]) == pytest.approx(st.ranked[1].tokens_per_sec / st.best.tokens_per_sec)
-    assert st.best_per_method == {m: next(r for r in st.ranked if r.plan.method.value == m)
-                                  for m in {r.plan.method.value for r in fitting}}
+    assert st.best_per_method == {
+        m: next(r for r in st.ranked if r.plan.method.value == m) for m in {r.plan.method.value for r in fitting}
+    }
 
     by_status = {loss.status: loss for loss in st.losses}
     assert sum(loss.count for loss in st.losses) == len(results) - 1  # everyone but the winner
@@ -49,8 +50,7 @@ def test_the_pareto_front_is_every_non_dominated_fitting_plan(tight_study, fitti
         rec, results = stored(study)
         st = analysis.standing(results, rec.context())
         points = {(r.memory.device_total, r.tokens_per_sec) for r in results if r.fits}
-        undominated = {p for p in points if not any(
-            q != p and q[0] <= p[0] and q[1] >= p[1] for q in points)}
+        undominated = {p for p in points if not any(q != p and q[0] <= p[0] and q[1] >= p[1] for q in points)}
         front = [(r.memory.device_total, r.tokens_per_sec) for r in st.pareto]
         assert set(front) == undominated
         assert front == sorted(front) and [y for _, y in front] == sorted(y for _, y in front)
@@ -79,8 +79,10 @@ def test_a_measurement_overrides_its_prediction_and_is_shown_beside_it(fitting_s
         more = dataclasses.replace(m, activations=m.activations + 2**30, device_total=m.device_total + 2**30)
         store.record_trial(rec.id, dataclasses.replace(winner, evaluator="measured", memory=more))
         # the runner-up, measured: out of memory on the GPU
-        store.record_trial(rec.id, dataclasses.replace(second, evaluator="measured", status=Status.OOM,
-                                                       reason="CUDA out of memory in step 1"))
+        store.record_trial(
+            rec.id,
+            dataclasses.replace(second, evaluator="measured", status=Status.OOM, reason="CUDA out of memory in step 1"),
+        )
         after = analysis.standing([t.result() for t in store.trials(rec.id)], rec.context())
     assert len(after.results) == len(before.results)  # one result per plan
     assert after.best.evaluator == "measured" and after.best.memory == more
@@ -100,11 +102,19 @@ def test_each_toggle_is_one_technique_evaluated_analytically(tight_study):
     ev = AnalyticEvaluator()
     assert effects.baseline.memory == ev.evaluate(winner.plan, ctx).memory
     base = winner.plan.as_dict()
-    may_change = {"checkpointing": {"checkpointing"}, "fused loss": {"fused_loss"}, "attention": {"attention"},
-                  "sharding": {"sharding", "offload"}, "offload": {"offload", "sharding"},
-                  "micro-batch": {"micro_batch", "grad_accum"}, "method": {"method", "lora_rank"},
-                  "LoRA rank": {"lora_rank"}, "optimizer": {"optimizer"}, "precision": {"precision"},
-                  "packing": {"packing"}}
+    may_change = {
+        "checkpointing": {"checkpointing"},
+        "fused loss": {"fused_loss"},
+        "attention": {"attention"},
+        "sharding": {"sharding", "offload"},
+        "offload": {"offload", "sharding"},
+        "micro-batch": {"micro_batch", "grad_accum"},
+        "method": {"method", "lora_rank"},
+        "LoRA rank": {"lora_rank"},
+        "optimizer": {"optimizer"},
+        "precision": {"precision"},
+        "packing": {"packing"},
+    }
     techniques = {t.technique for t in effects.toggles}
     assert {"checkpointing", "fused loss", "attention", "sharding", "offload", "micro-batch", "method"} <= techniques
     for t in effects.toggles:
@@ -128,11 +138,15 @@ def test_toggles_keep_to_the_quality_choices_the_user_allowed(fitting_study):
     rec, results = stored(fitting_study)
     ctx = rec.context()
     plan = analysis.standing(results, ctx).best.plan
-    lora_only = analysis.technique_effects(plan.replace(method=Method.LORA, lora_rank=16), ctx,
-                                           {"methods": ["lora"], "lora_ranks": [16]})
+    lora_only = analysis.technique_effects(
+        plan.replace(method=Method.LORA, lora_rank=16), ctx, {"methods": ["lora"], "lora_ranks": [16]}
+    )
     assert not [t for t in lora_only.toggles if t.technique == "method"]
-    everything = analysis.technique_effects(plan.replace(method=Method.LORA, lora_rank=16), ctx,
-                                            {"methods": ["full", "lora", "qlora"], "lora_ranks": [16, 64]})
+    everything = analysis.technique_effects(
+        plan.replace(method=Method.LORA, lora_rank=16),
+        ctx,
+        {"methods": ["full", "lora", "qlora"], "lora_ranks": [16, 64]},
+    )
     methods = {t.plan.method for t in everything.toggles if t.technique == "method"}
     assert methods == {Method.FULL, Method.QLORA}
     assert {t.plan.lora_rank for t in everything.toggles if t.technique == "LoRA rank"} == {64}

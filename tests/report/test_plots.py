@@ -43,8 +43,7 @@ def test_every_component_has_its_own_colour():
 
 
 def test_every_status_and_every_evaluator_has_its_own_style():
-    from autofit.results import Status
-    from autofit.results import EVALUATORS
+    from autofit.results import EVALUATORS, Status
 
     assert tuple(plots.STATUS_STYLE) == tuple(s.value for s in Status)
     assert len(set(plots.STATUS_STYLE.values())) == len(Status)
@@ -80,8 +79,9 @@ def test_a_measurement_stands_beside_its_prediction(fitting_study, tmp_path):
     study = fitting_study.copy(tmp_path / "m.db")
     _, before = standing_of(study)
     w = before.best
-    measured_memory = dataclasses.replace(w.memory, activations=w.memory.activations * 2,
-                                          device_total=w.memory.device_total + w.memory.activations)
+    measured_memory = dataclasses.replace(
+        w.memory, activations=w.memory.activations * 2, device_total=w.memory.device_total + w.memory.activations
+    )
     _, st = standing_of(study, [dataclasses.replace(w, evaluator="measured", memory=measured_memory)])
     fig = plots.anatomy_figure(st.anatomy_subjects(2), st.ctx)
     ax = fig.axes[0]
@@ -101,8 +101,9 @@ def test_memory_vs_speed_shows_every_trial_the_boundary_and_the_pareto_front(tig
     ax = fig.axes[0]
     by_gid = {c.get_gid(): c for c in ax.collections}
     for status in ("fits", "oom"):
-        expected = sorted((r.memory.device_total / GiB, r.tokens_per_sec) for r in st.results
-                          if r.status.value == status)
+        expected = sorted(
+            (r.memory.device_total / GiB, r.tokens_per_sec) for r in st.results if r.status.value == status
+        )
         drawn = sorted(map(tuple, by_gid[f"trials-{status}"].get_offsets().tolist()))
         assert len(drawn) == len(expected) > 0
         for d, e in zip(drawn, expected):

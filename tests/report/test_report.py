@@ -219,8 +219,15 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
     exported = export_plan(st.best.plan, ctx, tmp_path / "exported")
     assert list(files.configs) == [p.name for p in exported]
     for path in exported:
-        assert path.read_text().replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") \
-            .replace('"', "&quot;").replace("'", "&#x27;") in page
+        assert (
+            path.read_text()
+            .replace("&", "&amp;")
+            .replace("<", "&lt;")
+            .replace(">", "&gt;")
+            .replace('"', "&quot;")
+            .replace("'", "&#x27;")
+            in page
+        )
     assert f"optuna-dashboard '{masked_url}'" in page.replace("&#x27;", "'")
     data = files.as_dict()
     assert data["best"]["plan_id"] == st.best.plan.plan_id and len(data["plots"]) == 3

@@ -49,10 +49,20 @@ pytestmark = pytest.mark.skipif(
 
 
 def chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-           "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: no host name resolves
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: no host name resolves
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        *args,
+    ]
     env = {**os.environ, "HOME": str(tmp_path)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
 
@@ -104,8 +114,7 @@ def test_the_report_renders_offline_with_its_plots_and_tables(tight_study, tight
     probe = tmp_path / "probe.html"  # beside nothing: the page needs no file of its own
     probe.write_text(files.html.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8")
 
-    dumped = chromium(tmp_path, "--virtual-time-budget=10000", "--window-size=1280,2000", "--dump-dom",
-                      probe.as_uri())
+    dumped = chromium(tmp_path, "--virtual-time-budget=10000", "--window-size=1280,2000", "--dump-dom", probe.as_uri())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     dom = Dom()
     dom.feed(dumped.stdout)
@@ -123,8 +132,14 @@ def test_the_report_renders_offline_with_its_plots_and_tables(tight_study, tight
     # the tables, with as many rows as the study has
     with tight_study.store() as store:
         n_trials = len(store.trials(store.get_study(tight_study.name).id))
-    expected_rows = {"anatomy": 7 + 3 + 1, "best-per-method": 3, "runners-up": len(st.runners_up()),
-                     "losses": len(st.losses), "technique-effects": len(files.effects.toggles), "trials": n_trials}
+    expected_rows = {
+        "anatomy": 7 + 3 + 1,
+        "best-per-method": 3,
+        "runners-up": len(st.runners_up()),
+        "losses": len(st.losses),
+        "technique-effects": len(files.effects.toggles),
+        "trials": n_trials,
+    }
     for table, rows in expected_rows.items():
         assert dom.rows[table] == rows, table
         assert int(dom.tables[table]["data-rendered-height"]) > 20 * min(rows, 3), table

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from autofit.results import Status
-from autofit.search.request import build_context
 from autofit.search.loop import SearchRequest, candidates, run_search, screen
+from autofit.search.request import build_context
 from autofit.search.space import Allowed, SearchSpace
 
 
@@ -194,8 +194,7 @@ def test_a_measured_study_searches_and_enqueues_only_plans_it_can_measure(store)
     assert not finished
     study = optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage())
     enqueued = [space.suggest(_Replay(t.system_attrs["fixed_params"])) for t in study.trials]
-    assert [p.plan_id for p in enqueued] == [space.suggest(_Replay(p)).plan_id
-                                            for p in candidates(screen(space), 6)]
+    assert [p.plan_id for p in enqueued] == [space.suggest(_Replay(p)).plan_id for p in candidates(screen(space), 6)]
     # one process, no engine: a fused loss runs there, and a measured study still searches it
     single = dataclasses.replace(req, ctx=build_context("gpt2", "1xcpu", seq_len=256, global_batch=16))
     assert any(p.fused_loss for p in single.space().enumerate())
@@ -234,8 +233,10 @@ def test_a_warm_plan_predicted_not_to_fit_the_new_workload_is_not_enqueued(store
     monkeypatch.setattr(search, "warm_start", lambda *a, **k: [doomed, good])
     events = []
     rec, _ = search.prepare_search(req, store, progress=lambda e, d: events.append((e, d)))
-    queued = [t.system_attrs["fixed_params"] for t in
-              optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage()).trials]
+    queued = [
+        t.system_attrs["fixed_params"]
+        for t in optuna.load_study(study_name=rec.optuna_study_name, storage=store.optuna_storage()).trials
+    ]
     assert doomed not in queued and queued[0] == good
     assert ("warm-start", {"n": 1, "dropped": 1}) in events
 
@@ -302,8 +303,9 @@ class _StubEvaluator:
 
         r = dataclasses.replace(AnalyticEvaluator().evaluate(plan, ctx), evaluator=self.name)
         if r.fits and plan.method.value == "lora":
-            return dataclasses.replace(r, status=Status.PRUNED, reason="stopped at step 2: cannot beat the best",
-                                       extra={"pruned_by": "pruner"})
+            return dataclasses.replace(
+                r, status=Status.PRUNED, reason="stopped at step 2: cannot beat the best", extra={"pruned_by": "pruner"}
+            )
         return r
 
 

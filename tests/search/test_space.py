@@ -13,17 +13,36 @@ def space(model="mistral-7b", gpus="2xA10", global_batch=16, allowed=None, **kw)
 
 def test_fixed_trial_gives_the_plan():
     s = space()
-    plan = s.suggest(optuna.trial.FixedTrial({
-        "method": "qlora", "lora_rank": 16, "precision_qlora": "bf16-mixed", "optimizer": "adamw",
-        "sharding": "zero2", "offload_zero2": "none", "micro_batch": 4, "checkpointing": "full",
-        "attention": "flash2", "fused_loss": True,
-    }))
+    plan = s.suggest(
+        optuna.trial.FixedTrial(
+            {
+                "method": "qlora",
+                "lora_rank": 16,
+                "precision_qlora": "bf16-mixed",
+                "optimizer": "adamw",
+                "sharding": "zero2",
+                "offload_zero2": "none",
+                "micro_batch": 4,
+                "checkpointing": "full",
+                "attention": "flash2",
+                "fused_loss": True,
+            }
+        )
+    )
     assert plan.method is Method.QLORA and plan.micro_batch == 4 and plan.grad_accum == 2
     assert plan.sharding is Sharding.ZERO2 and plan.fused_loss
 
 
-@pytest.mark.parametrize("model,gpus", [("mistral-7b", "2xA10"), ("llama-3-70b", "8xH100"), ("gpt2-xl", "1xT4"),
-                                        ("gemma-2-9b", "1xA100-80GB"), ("bert-large-uncased", "4xV100-32GB")])
+@pytest.mark.parametrize(
+    "model,gpus",
+    [
+        ("mistral-7b", "2xA10"),
+        ("llama-3-70b", "8xH100"),
+        ("gpt2-xl", "1xT4"),
+        ("gemma-2-9b", "1xA100-80GB"),
+        ("bert-large-uncased", "4xV100-32GB"),
+    ],
+)
 def test_every_plan_of_the_space_is_valid_and_keeps_the_global_batch(model, gpus):
     s = space(model, gpus)
     plans = list(s.enumerate())
@@ -47,7 +66,9 @@ def test_quality_choices_come_only_from_what_is_allowed():
 def test_conditional_knobs():
     plans = list(space().enumerate())
     assert all((p.lora_rank is None) == (p.method is Method.FULL) for p in plans)
-    assert all(p.offload is Offload.NONE or p.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP) for p in plans)
+    assert all(
+        p.offload is Offload.NONE or p.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP) for p in plans
+    )
     assert not any(p.packing for p in plans)  # no length distribution: packing gains nothing
     single = list(space("gpt2", "1xA10").enumerate())
     assert all(p.sharding is Sharding.NONE or p.offload is not Offload.NONE for p in single)
@@ -91,9 +112,13 @@ def _some(enum):
 
 
 @settings(max_examples=60, deadline=None)
-@given(methods=_some(Method), optimizers=_some(Optimizer), precisions=_some(Precision) | st.just(()),
-       ranks=st.lists(st.integers(1, 256), min_size=1, max_size=4, unique=True).map(tuple),
-       targets=st.sampled_from(list(LoraTargets)))
+@given(
+    methods=_some(Method),
+    optimizers=_some(Optimizer),
+    precisions=_some(Precision) | st.just(()),
+    ranks=st.lists(st.integers(1, 256), min_size=1, max_size=4, unique=True).map(tuple),
+    targets=st.sampled_from(list(LoraTargets)),
+)
 def test_allowed_round_trips(methods, optimizers, precisions, ranks, targets):
     a = Allowed(methods=methods, optimizers=optimizers, precisions=precisions, lora_ranks=ranks, lora_targets=targets)
     assert Allowed.from_dict(a.as_dict()) == a

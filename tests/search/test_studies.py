@@ -12,19 +12,30 @@ def test_example_studies_load_and_build(path):
     from autofit.search.space import Allowed, SearchSpace
 
     data = load_study_file(path)
-    ctx = build_context(data["model"], data["gpus"], seq_len=data.get("seq_len", 2048),
-                        global_batch=data.get("global_batch"))
-    SearchSpace(ctx, Allowed.parse(data.get("methods"), data.get("optimizers"), data.get("precisions"),
-                                   data.get("lora_ranks") and str(data["lora_ranks"])))
+    ctx = build_context(
+        data["model"], data["gpus"], seq_len=data.get("seq_len", 2048), global_batch=data.get("global_batch")
+    )
+    SearchSpace(
+        ctx,
+        Allowed.parse(
+            data.get("methods"),
+            data.get("optimizers"),
+            data.get("precisions"),
+            data.get("lora_ranks") and str(data["lora_ranks"]),
+        ),
+    )
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("model: gpt2\nbogus: 1\n", "unknown key 'bogus'"),
-    ("model: 3\n", "'model' must be str"),
-    ("trials: true\n", "'trials' must be int"),
-    ("- a\n- b\n", "must be a mapping"),
-    ("model: [unclosed\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("model: gpt2\nbogus: 1\n", "unknown key 'bogus'"),
+        ("model: 3\n", "'model' must be str"),
+        ("trials: true\n", "'trials' must be int"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("model: [unclosed\n", "not valid YAML"),
+    ],
+)
 def test_bad_study_files(tmp_path, text, fragment):
     p = tmp_path / "s.yaml"
     p.write_text(text)
@@ -32,21 +43,24 @@ def test_bad_study_files(tmp_path, text, fragment):
         load_study_file(str(p))
 
 
-@pytest.mark.parametrize("raw,fragment", [
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", r"is not UTF-8 text \(byte 0x89 at offset 0\)"),
-    (b"model: gpt2\nname: caf\xe9\n", r"is not UTF-8 text \(byte 0xe9 at offset 21\)"),
-    (b"model: gpt2\n#" + b"x" * 2**20, "is over 1 MiB"),
-    (b"model: &m gpt2\nname: *m\n", r"uses a YAML alias \(line 2\)"),
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b"headroom: .nan\n", "'headroom' must be a finite number"),
-    (b"lora_ranks: [8, 0]\n", "'lora_ranks' must be positive integers, got 0"),
-    (b"lora_ranks: -4\n", "'lora_ranks' must be positive integers, got -4"),
-    (b"timeout: -5\n", "'timeout': duration -5 must be a positive"),
-    (b"timeout: 0\n", "'timeout': duration 0 must be a positive"),
-    (b"timeout: .inf\n", "'timeout'"),
-    (b"timeout: soon\n", "'timeout': cannot read duration 'soon'"),
-    (b"name: " + b"x" * 500 + b"\nbogus" + b"y" * 500 + b": 1\n", "unknown key 'bogusyyy"),
-])
+@pytest.mark.parametrize(
+    "raw,fragment",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", r"is not UTF-8 text \(byte 0x89 at offset 0\)"),
+        (b"model: gpt2\nname: caf\xe9\n", r"is not UTF-8 text \(byte 0xe9 at offset 21\)"),
+        (b"model: gpt2\n#" + b"x" * 2**20, "is over 1 MiB"),
+        (b"model: &m gpt2\nname: *m\n", r"uses a YAML alias \(line 2\)"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b"headroom: .nan\n", "'headroom' must be a finite number"),
+        (b"lora_ranks: [8, 0]\n", "'lora_ranks' must be positive integers, got 0"),
+        (b"lora_ranks: -4\n", "'lora_ranks' must be positive integers, got -4"),
+        (b"timeout: -5\n", "'timeout': duration -5 must be a positive"),
+        (b"timeout: 0\n", "'timeout': duration 0 must be a positive"),
+        (b"timeout: .inf\n", "'timeout'"),
+        (b"timeout: soon\n", "'timeout': cannot read duration 'soon'"),
+        (b"name: " + b"x" * 500 + b"\nbogus" + b"y" * 500 + b": 1\n", "unknown key 'bogusyyy"),
+    ],
+)
 def test_files_that_are_not_a_study(tmp_path, raw, fragment):
     p = tmp_path / "s.yaml"
     p.write_bytes(raw)
@@ -81,10 +95,12 @@ def test_study_file_values_obey_the_cli_ranges_and_nothing_is_stored(tmp_path):
     from autofit.cli import cli
 
     db = tmp_path / "s.db"
-    for line, fragment in [("trials: -3", "'trials': -3 is not in the range x>=1"),
-                           ("seed: 4294967296", "'seed': 4294967296 is not in the range 0<=x<=4294967295"),
-                           ("headroom: 0.91", "'headroom': 0.91 is not in the range 0.0<=x<=0.9"),
-                           ("nodes: 0", "'nodes': 0 is not in the range x>=1")]:
+    for line, fragment in [
+        ("trials: -3", "'trials': -3 is not in the range x>=1"),
+        ("seed: 4294967296", "'seed': 4294967296 is not in the range 0<=x<=4294967295"),
+        ("headroom: 0.91", "'headroom': 0.91 is not in the range 0.0<=x<=0.9"),
+        ("nodes: 0", "'nodes': 0 is not in the range x>=1"),
+    ]:
         p = tmp_path / "s.yaml"
         p.write_text(f"model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\n{line}\n")
         r = CliRunner().invoke(cli, ["search", "--config", str(p), "--db", str(db), "--out", ""])
@@ -99,6 +115,7 @@ def test_the_command_line_still_overrides_an_out_of_range_file_value(tmp_path):
 
     p = tmp_path / "s.yaml"
     p.write_text("model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n")
-    r = CliRunner().invoke(cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"),
-                                 "--out", "", "--json"])
+    r = CliRunner().invoke(
+        cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"), "--out", "", "--json"]
+    )
     assert r.exit_code == 0, r.output

@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from autofit.cli import cli
-from autofit.search.request import build_context
 from autofit.search.loop import SearchRequest, prepare_search
+from autofit.search.request import build_context
 from autofit.search.space import Allowed
-from autofit.store import Store
 from autofit.search.workers import gpu_subsets
+from autofit.store import Store
 
 
 def make_study(db_url, trials, global_batch=8):
@@ -28,8 +28,13 @@ def make_study(db_url, trials, global_batch=8):
 
 def start_worker(db_url, study):
     env = {**os.environ, "AUTOFIT_DB": db_url}
-    return subprocess.Popen([sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def check_exact_budget(db_url, rec, budget):
@@ -93,9 +98,31 @@ def test_two_workers_on_sqlite(tmp_path):
 @pytest.mark.slow
 def test_parallel_local_workers_from_the_cli(tmp_path):
     db = f"sqlite:///{tmp_path / 'p.db'}"
-    r = CliRunner().invoke(cli, ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024",
-                                 "--global-batch", "8", "--evaluator", "analytic", "--trials", "8", "--parallel", "2",
-                                 "--db", db, "--out", str(tmp_path / "o"), "--json"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "search",
+            "--model",
+            "gpt2",
+            "--gpus",
+            "1xA10",
+            "--seq-len",
+            "1024",
+            "--global-batch",
+            "8",
+            "--evaluator",
+            "analytic",
+            "--trials",
+            "8",
+            "--parallel",
+            "2",
+            "--db",
+            db,
+            "--out",
+            str(tmp_path / "o"),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["best"]["fits"]
@@ -106,8 +133,26 @@ def test_parallel_local_workers_from_the_cli(tmp_path):
 
 def test_workers_zero_creates_the_study_and_a_worker_finishes_it(tmp_path):
     db = f"sqlite:///{tmp_path / 'w.db'}"
-    args = ["search", "--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--global-batch", "8",
-            "--evaluator", "analytic", "--trials", "5", "--db", db, "--out", "", "--json"]
+    args = [
+        "search",
+        "--model",
+        "gpt2",
+        "--gpus",
+        "1xA10",
+        "--seq-len",
+        "1024",
+        "--global-batch",
+        "8",
+        "--evaluator",
+        "analytic",
+        "--trials",
+        "5",
+        "--db",
+        db,
+        "--out",
+        "",
+        "--json",
+    ]
     r = CliRunner().invoke(cli, [*args, "--workers", "0"])
     assert r.exit_code == 0, r.output
     study = json.loads(r.stdout)["study"]

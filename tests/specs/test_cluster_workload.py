@@ -6,15 +6,31 @@ from autofit.errors import SpecError
 from autofit.specs import LengthDistribution, Workload, load_lengths, parse_cluster
 
 
-@pytest.mark.parametrize("text,count,gpu", [("2xA10", 2, "A10"), ("A100-80GB", 1, "A100-80GB"), ("8xH100", 8, "H100-80GB"),
-                                            ("1xrtx4090", 1, "RTX4090"), ("4X a10g", 4, "A10G")])
+@pytest.mark.parametrize(
+    "text,count,gpu",
+    [
+        ("2xA10", 2, "A10"),
+        ("A100-80GB", 1, "A100-80GB"),
+        ("8xH100", 8, "H100-80GB"),
+        ("1xrtx4090", 1, "RTX4090"),
+        ("4X a10g", 4, "A10G"),
+    ],
+)
 def test_parse_cluster(text, count, gpu):
     c = parse_cluster(text)
     assert c.gpus_per_node == count and c.gpu.name == gpu and c.world_size == count
 
 
-@pytest.mark.parametrize("text,match", [("0xA10", "at least 1"), ("-1xA10", "at least 1"), ("2xA10x3", "malformed"),
-                                        ("", "empty"), ("2xfoo", "unknown GPU")])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("0xA10", "at least 1"),
+        ("-1xA10", "at least 1"),
+        ("2xA10x3", "malformed"),
+        ("", "empty"),
+        ("2xfoo", "unknown GPU"),
+    ],
+)
 def test_bad_clusters(text, match):
     with pytest.raises(SpecError, match=match):
         parse_cluster(text)
@@ -89,8 +105,11 @@ def test_cpu_budget_cannot_exceed_the_machine(monkeypatch):
     monkeypatch.setattr(gpus, "physical_memory_bytes", lambda: 8 * gpus.GiB)
     assert with_cpu_budget(parse_cluster("1xcpu"), "8GiB").gpu.memory_bytes == 8 * gpus.GiB
     assert with_cpu_budget(parse_cluster("2xcpu"), "4GiB").gpu.memory_bytes == 4 * gpus.GiB
-    with pytest.raises(SpecError, match=r"--cpu-mem-budget 1TB exceeds this machine's 8.0 GiB of physical memory; "
-                                        r"give at most 8.0GiB"):
+    with pytest.raises(
+        SpecError,
+        match=r"--cpu-mem-budget 1TB exceeds this machine's 8.0 GiB of physical memory; "
+        r"give at most 8.0GiB",
+    ):
         with_cpu_budget(parse_cluster("1xcpu"), "1TB")
     with pytest.raises(SpecError, match="for each of 2 CPU ranks exceeds this machine's 8.0 GiB.*at most 4.0GiB"):
         with_cpu_budget(parse_cluster("2xcpu"), "5GiB")
@@ -115,8 +134,13 @@ def _through_json(d: dict) -> dict:
 
 
 @settings(max_examples=60, deadline=None)
-@given(gpu=st.sampled_from(sorted(GPUS)), per_node=st.integers(1, 16), nodes=st.integers(1, 64),
-       host=st.sampled_from([0, 64 * 2**30, 1536 * 2**30]), gbps=st.sampled_from([25.0, 50.0, 12.5]))
+@given(
+    gpu=st.sampled_from(sorted(GPUS)),
+    per_node=st.integers(1, 16),
+    nodes=st.integers(1, 64),
+    host=st.sampled_from([0, 64 * 2**30, 1536 * 2**30]),
+    gbps=st.sampled_from([25.0, 50.0, 12.5]),
+)
 def test_cluster_round_trips(gpu, per_node, nodes, host, gbps):
     c = ClusterSpec(gpu=GPUS[gpu], gpus_per_node=per_node, nodes=nodes, host_memory_bytes=host, inter_node_gbps=gbps)
     assert ClusterSpec.from_dict(_through_json(c.as_dict())) == c
@@ -140,7 +164,8 @@ def test_a_cpu_cluster_stored_without_its_budget_gets_this_machines_memory():
 
 
 _histograms = st.dictionaries(st.integers(1, 10_000), st.integers(1, 1000), min_size=1, max_size=8).map(
-    lambda d: tuple(sorted(d.items())))
+    lambda d: tuple(sorted(d.items()))
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,6 +178,7 @@ def test_length_distribution_round_trips(hist, source):
 @settings(max_examples=60, deadline=None)
 @given(seq_len=st.integers(1, 8192), global_batch=st.integers(1, 512), hist=st.none() | _histograms)
 def test_workload_round_trips(seq_len, global_batch, hist):
-    w = Workload(seq_len=seq_len, global_batch=global_batch,
-                 lengths=LengthDistribution(hist, "lengths.json") if hist else None)
+    w = Workload(
+        seq_len=seq_len, global_batch=global_batch, lengths=LengthDistribution(hist, "lengths.json") if hist else None
+    )
     assert Workload.from_dict(_through_json(w.as_dict())) == w

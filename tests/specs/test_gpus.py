@@ -3,8 +3,23 @@ import pytest
 from autofit.errors import SpecError
 from autofit.specs import GPUS, resolve_gpu
 
-REQUIRED = ["A10", "A10G", "L4", "T4", "V100-16GB", "V100-32GB", "A100-40GB", "A100-80GB", "H100-80GB",
-            "H100-PCIE", "H200", "L40S", "RTX3090", "RTX4090", "A6000"]
+REQUIRED = [
+    "A10",
+    "A10G",
+    "L4",
+    "T4",
+    "V100-16GB",
+    "V100-32GB",
+    "A100-40GB",
+    "A100-80GB",
+    "H100-80GB",
+    "H100-PCIE",
+    "H200",
+    "L40S",
+    "RTX3090",
+    "RTX4090",
+    "A6000",
+]
 
 
 def test_catalog_has_the_required_gpus():
@@ -27,8 +42,17 @@ def test_capacities_are_what_the_board_reports():
     assert GPUS["H100-80GB"].memory_bytes == 81559 * 2**20
 
 
-@pytest.mark.parametrize("text,name", [("a100-80gb", "A100-80GB"), ("A100", "A100-80GB"), ("h100", "H100-80GB"),
-                                       ("rtx4090", "RTX4090"), ("4090", "RTX4090"), ("a10g", "A10G")])
+@pytest.mark.parametrize(
+    "text,name",
+    [
+        ("a100-80gb", "A100-80GB"),
+        ("A100", "A100-80GB"),
+        ("h100", "H100-80GB"),
+        ("rtx4090", "RTX4090"),
+        ("4090", "RTX4090"),
+        ("a10g", "A10G"),
+    ],
+)
 def test_aliases(text, name):
     assert resolve_gpu(text).name == name
 

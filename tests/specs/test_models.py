@@ -7,8 +7,21 @@ from autofit.plan import LoraTargets
 from autofit.specs import MODELS, ModelSpec, resolve_model
 
 REQUIRED = [
-    "mistral-7b", "llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3-70b", "llama-3.2-1b", "llama-3.2-3b",
-    "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "gemma-2-9b", "phi-3-mini", "gpt2", "gpt2-xl", "bert-large-uncased",
+    "mistral-7b",
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "qwen2.5-0.5b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "gemma-2-9b",
+    "phi-3-mini",
+    "gpt2",
+    "gpt2-xl",
+    "bert-large-uncased",
 ]
 
 
@@ -103,33 +116,46 @@ def test_variant_rederives_the_count(tiny_model):
 
 
 # -- a config.json is user input: wrong types are refused with the field and the file named --
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "intermediate_size": 704, "vocab_size": 1000,
-              "max_position_embeddings": 2048}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 704,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+}
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("hidden_size", "4096",
-     "'hidden_size' must be a positive integer, got \"4096\" (a string); write it without quotes"),
-    ("hidden_size", [4096], "'hidden_size' must be a positive integer, got [4096] (a list)"),
-    ("hidden_size", 4096.5, "'hidden_size' must be a positive integer, got 4096.5"),
-    ("hidden_size", float("inf"), "'hidden_size' must be a positive integer, got inf"),
-    ("hidden_size", 2.0**60, "'hidden_size' is 1,152,921,504,606,846,976, beyond the 131,072"),
-    ("num_attention_heads", 0, "'num_attention_heads' must be a positive integer, got 0"),
-    ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer, got true (a boolean)"),
-    ("vocab_size", -5, "'vocab_size' must be a positive integer, got -5"),
-    ("max_position_embeddings", "8k", "'max_position_embeddings' must be a positive integer"),
-    ("max_position_embeddings", 0, "'max_position_embeddings' must be a positive integer, got 0"),
-    ("intermediate_size", {"v": 1}, "'intermediate_size' must be a positive integer, got {\"v\": 1} (an object)"),
-    ("num_key_value_heads", "2", "'num_key_value_heads' must be a positive integer"),
-    ("num_key_value_heads", 0, "'num_key_value_heads' must be a positive integer, got 0"),
-    ("head_dim", 0, "'head_dim' must be a positive integer, got 0"),
-    ("head_dim", [32], "'head_dim' must be a positive integer"),
-    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false, got \"false\" (a string)"),
-    ("tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false"),
-    ("model_type", ["llama"], "'model_type' must be a string such as \"llama\", got [\"llama\"] (a list)"),
-    ("model_type", None, "lacks 'model_type'"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        (
+            "hidden_size",
+            "4096",
+            "'hidden_size' must be a positive integer, got \"4096\" (a string); write it without quotes",
+        ),
+        ("hidden_size", [4096], "'hidden_size' must be a positive integer, got [4096] (a list)"),
+        ("hidden_size", 4096.5, "'hidden_size' must be a positive integer, got 4096.5"),
+        ("hidden_size", float("inf"), "'hidden_size' must be a positive integer, got inf"),
+        ("hidden_size", 2.0**60, "'hidden_size' is 1,152,921,504,606,846,976, beyond the 131,072"),
+        ("num_attention_heads", 0, "'num_attention_heads' must be a positive integer, got 0"),
+        ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer, got true (a boolean)"),
+        ("vocab_size", -5, "'vocab_size' must be a positive integer, got -5"),
+        ("max_position_embeddings", "8k", "'max_position_embeddings' must be a positive integer"),
+        ("max_position_embeddings", 0, "'max_position_embeddings' must be a positive integer, got 0"),
+        ("intermediate_size", {"v": 1}, "'intermediate_size' must be a positive integer, got {\"v\": 1} (an object)"),
+        ("num_key_value_heads", "2", "'num_key_value_heads' must be a positive integer"),
+        ("num_key_value_heads", 0, "'num_key_value_heads' must be a positive integer, got 0"),
+        ("head_dim", 0, "'head_dim' must be a positive integer, got 0"),
+        ("head_dim", [32], "'head_dim' must be a positive integer"),
+        ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false, got \"false\" (a string)"),
+        ("tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false"),
+        ("model_type", ["llama"], '\'model_type\' must be a string such as "llama", got ["llama"] (a list)'),
+        ("model_type", None, "lacks 'model_type'"),
+    ],
+)
 def test_config_fields_of_the_wrong_type_are_named_with_the_file(tmp_path, field, value, fragment):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**TINY_LLAMA, field: value}))
@@ -156,8 +182,17 @@ def test_more_heads_than_hidden_units_without_head_dim(tmp_path):
 
 def test_whole_floats_and_nulls_are_read_as_the_numbers_they_are(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256.0, "num_key_value_heads": None, "head_dim": None,
-                                "tie_word_embeddings": None}))
+    path.write_text(
+        json.dumps(
+            {
+                **TINY_LLAMA,
+                "hidden_size": 256.0,
+                "num_key_value_heads": None,
+                "head_dim": None,
+                "tie_word_embeddings": None,
+            }
+        )
+    )
     spec = resolve_model(str(path))
     assert spec.hidden_size == 256 and type(spec.hidden_size) is int
     assert spec.num_kv_heads == 8 and spec.head_dim == 32 and spec.tie_word_embeddings is False
@@ -209,8 +244,9 @@ def _hub_probe(hub_id, tmp_path, **env):
     drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HF_HUB_CACHE")
     full = {k: v for k, v in os.environ.items() if k not in drop}
     full.update(HF_HOME=str(tmp_path / "hf"), **env)
-    proc = subprocess.run([sys.executable, "-c", HUB_PROBE, hub_id], env=full, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", HUB_PROBE, hub_id], env=full, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     *out, timing = proc.stdout.strip().splitlines()
     imported, seconds = timing.split()

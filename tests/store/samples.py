@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.specs import Target
-from autofit.results import Status, TrialResult
 from autofit.plan import Plan
-from autofit.specs import LengthDistribution, Workload, parse_cluster, resolve_model
+from autofit.results import Status, TrialResult
+from autofit.specs import LengthDistribution, Target, Workload, parse_cluster, resolve_model
 
 ALLOWED = {"methods": ["lora", "full", "qlora"], "optimizers": ["adamw"], "precisions": ["bf16-mixed"]}
 

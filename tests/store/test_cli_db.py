@@ -18,8 +18,14 @@ def test_upgrade_creates_then_reports_head(db_url):
     masked = Store(db_url, check_schema=False).masked_url
     r = run("db", "current", "--db", db_url, "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == {"url": masked, "current": None, "head": "0002", "up_to_date": False,
-                                    "needs_upgrade": True, "known": True}
+    assert json.loads(r.output) == {
+        "url": masked,
+        "current": None,
+        "head": "0002",
+        "up_to_date": False,
+        "needs_upgrade": True,
+        "known": True,
+    }
     r = run("db", "upgrade", "--db", db_url)
     assert r.exit_code == 0, r.output
     assert r.output == f"{masked}: upgraded from an empty database to revision 0002\n"
@@ -43,7 +49,10 @@ def test_bad_db_is_one_clear_line(tmp_path):
     for args, fragment in [
         (["db", "current", "--db", "nosuchdb://x/y"], "unknown database URL scheme 'nosuchdb'"),
         (["db", "upgrade", "--db", "/proc/autofit-nope/a.db"], "cannot create the database directory"),
-        (["db", "upgrade", "--db", "postgresql://u:secret@127.0.0.1:1/db"], "database error (postgresql+psycopg://u:***@"),
+        (
+            ["db", "upgrade", "--db", "postgresql://u:secret@127.0.0.1:1/db"],
+            "database error (postgresql+psycopg://u:***@",
+        ),
     ]:
         r = run(*args)
         assert r.exit_code == 1, r.output

@@ -39,7 +39,8 @@ def future_store(tmp_path_factory):
     """
     location = tmp_path_factory.mktemp("future") / "migrations"
     shutil.copytree(schema.SCRIPT_LOCATION, location, ignore=shutil.ignore_patterns("__pycache__"))
-    (location / "versions" / f"{FUTURE}_future.py").write_text(textwrap.dedent(f'''
+    (location / "versions" / f"{FUTURE}_future.py").write_text(
+        textwrap.dedent(f'''
         import sqlalchemy as sa
         from alembic import op
 
@@ -59,7 +60,8 @@ def future_store(tmp_path_factory):
         def downgrade():
             with op.batch_alter_table("autofit_studies") as batch:
                 batch.drop_column("note")
-    '''))
+    ''')
+    )
 
     class FutureStore(Store):
         script_location = str(location)
@@ -109,8 +111,14 @@ def test_optuna_and_autofit_share_one_database(store):
     store.record_trial(ours.id, gpt2_results(gpt2_ctx())[0], number=0, optuna_trial_id=study.trials[0]._trial_id)
     with store.engine.connect() as conn:
         tables = set(inspect(conn).get_table_names())
-        assert {"studies", "trials", "alembic_version", "autofit_studies", "autofit_trials",
-                "autofit_alembic_version"} <= tables
+        assert {
+            "studies",
+            "trials",
+            "alembic_version",
+            "autofit_studies",
+            "autofit_trials",
+            "autofit_alembic_version",
+        } <= tables
         assert conn.execute(text("SELECT version_num FROM autofit_alembic_version")).scalar_one() == HEAD
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == storage.get_head_version()
     assert store.schema_diff() == []
@@ -254,8 +262,10 @@ def test_old_database_is_refused_then_upgraded_keeping_rows(db_url, future_store
         future_store(db_url)
     masked = Store(db_url, check_schema=False).masked_url
     message = str(err.value)
-    assert message == (f"database {masked} has schema revision {HEAD}, older than this autofit's {FUTURE}; "
-                       f"run `autofit db upgrade --db {masked}`")
+    assert message == (
+        f"database {masked} has schema revision {HEAD}, older than this autofit's {FUTURE}; "
+        f"run `autofit db upgrade --db {masked}`"
+    )
 
     with future_store(db_url, check_schema=False) as newer:
         assert newer.schema_info().needs_upgrade
@@ -270,7 +280,9 @@ def test_old_database_is_refused_then_upgraded_keeping_rows(db_url, future_store
 def test_newer_database_is_refused(db_url, future_store):
     with future_store(db_url) as newer:  # a new database, created by the "newer autofit"
         assert newer.current_revision() == FUTURE
-    with pytest.raises(StoreError, match=f"schema revision {FUTURE}, unknown to this autofit .*a newer autofit wrote it"):
+    with pytest.raises(
+        StoreError, match=f"schema revision {FUTURE}, unknown to this autofit .*a newer autofit wrote it"
+    ):
         Store(db_url)
     with Store(db_url, check_schema=False) as store:
         info = store.schema_info()
@@ -292,8 +304,12 @@ def test_concurrent_first_opens_migrate_once(db_url, tmp_path):
     """Four processes open one new database at once: one migrates, the others wait and find it done."""
     code = "import sys; from autofit.store import Store; s = Store(sys.argv[1]); print(s.current_revision())"
     env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", code, db_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, db_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [err for _, err in outs]
     assert [out.strip() for out, _ in outs] == [HEAD] * 4

@@ -28,8 +28,22 @@ def test_wheel_carries_the_migrations_and_upgrades_from_an_install(tmp_path):
         shutil.copytree(os.path.join(ROOT, folder), src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("autofit-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in MIGRATION_FILES:
@@ -44,20 +58,36 @@ def test_wheel_carries_the_migrations_and_upgrades_from_an_install(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     with open(os.path.join(purelib, "deps.pth"), "w") as fh:
         fh.write(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)], check=True
+    )
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AUTOFIT_DB")}
-    where = subprocess.run([str(py), "-c", "import autofit.store; print(autofit.store.__file__)"], check=True,
-                           capture_output=True, text=True, cwd=tmp_path, env=env).stdout.strip()
+    where = subprocess.run(
+        [str(py), "-c", "import autofit.store; print(autofit.store.__file__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    ).stdout.strip()
     assert where.startswith(purelib), where
     db = tmp_path / "wheel.db"
-    r = subprocess.run([str(venv / "bin" / "autofit"), "db", "upgrade", "--db", f"sqlite:///{db}"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env)
+    r = subprocess.run(
+        [str(venv / "bin" / "autofit"), "db", "upgrade", "--db", f"sqlite:///{db}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"sqlite:///{db}: upgraded from an empty database to revision {Store.head_revision()}"
     with Store(str(db)) as store:

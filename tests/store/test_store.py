@@ -17,8 +17,8 @@ from sqlalchemy import select
 
 from autofit.errors import StoreError
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.results import MemoryAnatomy, Status
 from autofit.plan import Plan
+from autofit.results import MemoryAnatomy, Status
 from autofit.store import Store, StudyStatus, default_path, request_key, resolve_url
 from autofit.store.models import ANATOMY_COLUMNS, StudyModel, TrialModel
 from tests.store.samples import ALLOWED, gpt2_ctx, gpt2_results, llama_ctx, llama_results
@@ -40,7 +40,11 @@ def test_round_trip_study_and_trials(store):
     assert study.model_fingerprint == ctx.model.fingerprint and study.cluster_label == "2xA10"
     assert study.gpu_name == "A10" and (study.seq_len, study.global_batch) == (2048, 16)
     assert study.workload["lengths"]["histogram"] == [[200, 30], [900, 50], [2048, 20]]
-    assert study.allowed == {"methods": ["full", "lora", "qlora"], "optimizers": ["adamw"], "precisions": ["bf16-mixed"]}
+    assert study.allowed == {
+        "methods": ["full", "lora", "qlora"],
+        "optimizers": ["adamw"],
+        "precisions": ["bf16-mixed"],
+    }
     assert study.budget == {"trials": 50, "timeout_s": 600.0} and study.headroom == 0.05
     assert study.versions["sqlalchemy"] and study.versions["python"] and "autofit" in study.versions
     assert study.optuna_study_name == "opt-1"
@@ -55,7 +59,11 @@ def test_round_trip_study_and_trials(store):
     for record, result in zip(read, results):
         assert store.trial_result(record) == result  # plan, status, anatomy, throughput, extra, reason
         assert record.plan_id == result.plan.plan_id and record.evaluator == "analytic"
-    assert read[2].memory is None and read[2].throughput is None and read[2].extra == {"note": "no anatomy", "scores": [1.5, 2]}
+    assert (
+        read[2].memory is None
+        and read[2].throughput is None
+        and read[2].extra == {"note": "no anatomy", "scores": [1.5, 2]}
+    )
 
 
 def test_anatomy_is_stored_in_columns_named_as_the_anatomy(store):
@@ -76,7 +84,9 @@ def test_measured_result_is_kept_beside_the_prediction_and_overrides_it(store):
     fast, slow, oom, screened = gpt2_results(gpt2_ctx())
     for r in (fast, slow, oom, screened):
         store.record_trial(study.id, r)
-    assert store.best_trial(study.model_fingerprint, "1xA10").plan == fast.plan  # the OOM plan is faster but does not fit
+    assert (
+        store.best_trial(study.model_fingerprint, "1xA10").plan == fast.plan
+    )  # the OOM plan is faster but does not fit
 
     measured = dataclasses.replace(fast, evaluator="measured", status=Status.OOM, reason="CUDA out of memory in step 1")
     store.record_trial(study.id, measured, number=0)
@@ -102,7 +112,9 @@ def test_best_trial_across_studies_and_filters(store):
     best = store.best_trial(fp, "1xA10")
     assert (best.study_id, best.plan, best.status) == (b.id, short[0].plan, Status.FITS)
     assert store.best_trial(fp, "1xA10", seq_len=1024).study_id == a.id
-    assert store.best_trial(fp, "1xA10", seq_len=1024, global_batch=32).tokens_per_sec == pytest.approx(gpt2_results(gpt2_ctx())[0].tokens_per_sec, rel=1e-9)
+    assert store.best_trial(fp, "1xA10", seq_len=1024, global_batch=32).tokens_per_sec == pytest.approx(
+        gpt2_results(gpt2_ctx())[0].tokens_per_sec, rel=1e-9
+    )
     assert store.best_trial(fp, "1xA10", global_batch=64) is None
     assert store.best_trial(fp, "2xA10") is None
     assert store.best_trial(llama_ctx().model.fingerprint, "1xA10") is None
@@ -154,13 +166,13 @@ def test_list_studies_filters_and_summaries(store):
     g = _study(store)
     for r in gpt2_results(gpt2_ctx()):
         store.record_trial(g.id, r)
-    l = _study(store, llama_ctx())
+    llama = _study(store, llama_ctx())
     empty = _study(store, gpt2_ctx(seq_len=128))
-    assert [s.study.id for s in store.list_studies()] == [empty.id, l.id, g.id]  # newest first
+    assert [s.study.id for s in store.list_studies()] == [empty.id, llama.id, g.id]  # newest first
     assert [s.study.id for s in store.list_studies(model="GPT2")] == [empty.id, g.id]
-    assert [s.study.id for s in store.list_studies(model=llama_ctx().model.fingerprint)] == [l.id]
-    assert [s.study.id for s in store.list_studies(gpu="a10")] == [empty.id, l.id, g.id]
-    assert [s.study.id for s in store.list_studies(gpu="2xa10")] == [l.id]
+    assert [s.study.id for s in store.list_studies(model=llama_ctx().model.fingerprint)] == [llama.id]
+    assert [s.study.id for s in store.list_studies(gpu="a10")] == [empty.id, llama.id, g.id]
+    assert [s.study.id for s in store.list_studies(gpu="2xa10")] == [llama.id]
     assert [s.study.id for s in store.list_studies(model="gpt2", gpu="2xA10")] == []
     assert store.list_studies(model="mistral-7b") == []
     by_id = {s.study.id: s for s in store.list_studies()}
@@ -201,9 +213,32 @@ def test_session_scope_rolls_back_and_reports_one_masked_line(store):
     with pytest.raises(StoreError) as err:
         with store.session_scope() as s:
             s.get(StudyModel, study.id).model_name = "changed"
-            s.add(StudyModel(**{c: getattr(s.get(StudyModel, study.id), c) for c in ("name", "model_name",
-                  "model_fingerprint", "model_spec", "cluster", "cluster_label", "gpu_name", "workload", "seq_len",
-                  "global_batch", "allowed", "evaluator", "budget", "headroom", "versions", "status", "request_key")}))
+            s.add(
+                StudyModel(
+                    **{
+                        c: getattr(s.get(StudyModel, study.id), c)
+                        for c in (
+                            "name",
+                            "model_name",
+                            "model_fingerprint",
+                            "model_spec",
+                            "cluster",
+                            "cluster_label",
+                            "gpu_name",
+                            "workload",
+                            "seq_len",
+                            "global_batch",
+                            "allowed",
+                            "evaluator",
+                            "budget",
+                            "headroom",
+                            "versions",
+                            "status",
+                            "request_key",
+                        )
+                    }
+                )
+            )
     message = str(err.value)
     assert message.startswith(f"database error ({store.masked_url}): ") and "\n" not in message
     assert re.search(r"unique|duplicate", message, re.I)
@@ -307,8 +342,10 @@ def test_bad_urls(url, fragment):
         ("postgresql://postgres:s3cr3t@[::1/x", "'postgresql://postgres:***@[::1/x'"),
         ("postgresql://postgres@::1/x", "an IPv6 host goes in brackets"),
         ("postgresql://postgres@h:/x", "its port '' is not a number"),
-        ("postgresql://postgres:s3cr3t@127.0.0.1:99999/x", "postgresql://postgres:***@127.0.0.1:99999/x has port 99999, "
-                                                           "outside 1-65535"),
+        (
+            "postgresql://postgres:s3cr3t@127.0.0.1:99999/x",
+            "postgresql://postgres:***@127.0.0.1:99999/x has port 99999, outside 1-65535",
+        ),
         ("postgresql://postgres:s3cr3t@h:0/x", "has port 0, outside 1-65535"),
     ],
 )
@@ -326,8 +363,9 @@ def test_autofit_db_must_be_absolute_or_a_url(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for value in ("garbage", "sub/a.db", "sqlite:///rel.db"):
         monkeypatch.setenv("AUTOFIT_DB", value)
-        with pytest.raises(StoreError, match=r"^AUTOFIT_DB=.* names a relative path.*absolute path \(e.g. "
-                                             + re.escape(str(tmp_path))):
+        with pytest.raises(
+            StoreError, match=r"^AUTOFIT_DB=.* names a relative path.*absolute path \(e.g. " + re.escape(str(tmp_path))
+        ):
             Store()
     assert list(tmp_path.iterdir()) == []  # no file named garbage, no sub/
     monkeypatch.setenv("AUTOFIT_DB", str(tmp_path / "abs.db"))
@@ -339,8 +377,9 @@ def test_autofit_db_must_be_absolute_or_a_url(tmp_path, monkeypatch):
     assert resolve_url("garbage").database == str(tmp_path / "garbage")  # an explicit --db may be relative
 
 
-@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".hidden", "-rf", "with space", "x" * 101, "",
-                                  "123", "naïve", "a\nb"])
+@pytest.mark.parametrize(
+    "name", ["../../escape", "a/b", "..", ".hidden", "-rf", "with space", "x" * 101, "", "123", "naïve", "a\nb"]
+)
 def test_study_names_that_are_not_safe_path_components_are_refused(store, name):
     with pytest.raises(StoreError) as err:
         _study(store, name=name)
@@ -439,10 +478,19 @@ def _gpt2_plans():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(_EVALUATORS),
-                          st.sampled_from([Status.FITS, Status.FITS, Status.OOM, Status.SCREENED, Status.PRUNED]),
-                          st.sampled_from([100.0, 200.0, 300.0, None]), st.integers(0, 5)),
-                min_size=1, max_size=12))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.sampled_from(_EVALUATORS),
+            st.sampled_from([Status.FITS, Status.FITS, Status.OOM, Status.SCREENED, Status.PRUNED]),
+            st.sampled_from([100.0, 200.0, 300.0, None]),
+            st.integers(0, 5),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
 def test_store_best_and_the_python_rule_agree_on_any_study(evaluations):
     """Any mix of evaluators, statuses, ties and trial numbers (rows of one plan recorded out of order)."""
     ctx = gpt2_ctx()
