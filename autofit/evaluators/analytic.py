@@ -570,12 +570,23 @@ def _moments(
     model: ModelSpec, plan: Plan, act: _Activations, ms: _States, blk: _Block, t_mem: int, s: int
 ) -> dict[str, dict[str, float]]:
     """The anatomy at each moment of a steady-state step that can be its peak, in step order."""
-    st, sb = ms.st, ms.sb
-    ckpt = plan.checkpointing is Checkpointing.FULL
+    st = ms.st
     states = {"weights": st.weights + ms.autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + act.mask
     in_blocks = act.saved - act.head + act.recompute  # the head's saves are freed by then
     moments = {
+        **_forward_moments(act, ms, blk, t_mem, states, persistent_tmp),
+        **_backward_moments(model, plan, act, ms, blk, t_mem, s, states, persistent_tmp, in_blocks),
+        **_step_end_moments(ms, persistent_tmp),
+    }
+    if plan.checkpointing is Checkpointing.FULL:
+        moments.update(_recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks))
+    return moments
+
+
+def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, dict[str, float]]:
+    st = ms.st
+    return {
         "forward": {
             **states,
             "gradients": st.grad_accum_present,
@@ -591,6 +602,15 @@ def _moments(
             "logits": 0.0,
             "temporary": persistent_tmp + max(act.fwd_temp, t_mem * blk.mlp_fwd_tok),
         },
+    }
+
+
+def _backward_moments(
+    model, plan, act, ms, blk, t_mem, s, states, persistent_tmp, in_blocks
+) -> dict[str, dict[str, float]]:
+    st, sb = ms.st, ms.sb
+    ckpt = plan.checkpointing is Checkpointing.FULL
+    return {
         "loss-backward": {
             **states,
             # a chunked loss computes the head's weight gradient inside the loss backward
@@ -628,6 +648,12 @@ def _moments(
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
         },
+    }
+
+
+def _step_end_moments(ms, persistent_tmp) -> dict[str, dict[str, float]]:
+    st = ms.st
+    return {
         # the end of backward: every gradient; with tied embeddings the head's and the
         # embedding's gradients meet in the shared weight's .grad, added out of place, all
         # three alive at once
@@ -649,22 +675,25 @@ def _moments(
             "temporary": st.comm_buffers + st.step_temporary,
         },
     }
-    if ckpt:
-        # a block being recomputed in backward, in the middle of its MLP: what it saves so
-        # far plus the MLP's forward transients (counted as activations: they are recomputed)
-        mlp_fwd = t_mem * blk.mlp_fwd_tok
-        incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
-        moments["block-recompute"] = {
+
+
+def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks) -> dict[str, dict[str, float]]:
+    """A block being recomputed in backward, in the middle of its MLP: what it saves so far
+    plus the MLP's forward transients (counted as activations: they are recomputed)."""
+    mlp_fwd = t_mem * blk.mlp_fwd_tok
+    incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
+    return {
+        "block-recompute": {
             **moments["block-backward"],
             "activations": in_blocks + mlp_fwd,
             "temporary": persistent_tmp + incoming,
-        }
-        moments["first-block-recompute"] = {
+        },
+        "first-block-recompute": {
             **moments["first-block-backward"],
             "activations": moments["first-block-backward"]["activations"] + mlp_fwd,
             "temporary": persistent_tmp + incoming,
-        }
-    return moments
+        },
+    }
 
 
 def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.ShardedStates) -> tuple[MemoryAnatomy, str]:

@@ -562,40 +562,54 @@ def classify(
         )
     oom = [r for r in ranks if r.get("status") == "oom"]
     if oom:
-        r = max(oom, key=lambda r: (r.get("memory") or {}).get("peak_allocated", 0))
-        mem = r.get("memory") or {}
-        hit = r.get("budget_hit")
-        extra["oom_rank"] = r["rank"]
-        extra["error"] = r.get("error", "")
-        where = f"step {mem.get('peak_step', '?')} ({mem.get('peak_phase', '?')})"
-        if hit:
-            extra["budget_hit"] = hit
-            reason = (
-                f"out of memory at {where}: {hit['live_before'] / 2**20:.1f} MiB allocated + "
-                f"{hit['requested'] / 2**20:.1f} MiB requested > the {hit['budget'] / 2**20:.1f} MiB budget "
-                f"(rank {r['rank']})"
-            )
-        else:
-            reason = f"out of memory at {where} on rank {r['rank']}: {r.get('error', '')}"
-        memory = anatomy(mem) if mem.get("peak_allocated") else None
+        reason, memory = _oom(oom, extra)
         return mk(Status.OOM, reason[:500], memory)
     failed = [r for r in ranks if r.get("status") == "failed"]
     if result is None or rc != 0 or failed:
-        stderr = _tail(trial_dir / "stderr.log")
-        extra["stderr_tail"] = stderr
-        if failed:
-            extra["traceback"] = failed[0].get("traceback", [])
-            reason = f"rank {failed[0]['rank']} failed: {failed[0].get('error', '')}"
-        elif rc is not None and rc < 0:
-            reason = f"the trial was killed by signal {signal.Signals(-rc).name}" + (
-                " (the kernel's OOM killer?)" if rc == -signal.SIGKILL else ""
-            )
-        elif rc == EXIT_OOM:
-            reason = "out of memory (the rank's result file is missing)"
-        else:
-            reason = f"the trial exited with status {rc} without a result" + (f": {stderr[-1]}" if stderr else "")
-        return mk(Status.FAILED, reason[:500])
+        return mk(Status.FAILED, _failure(trial_dir, rc, failed, extra)[:500])
+    memory, throughput = _finished(result, extra)
+    status, reason = judge(memory, ctx)
+    return mk(status, reason, memory, throughput)
 
+
+def _oom(oom: list[dict[str, Any]], extra: dict[str, Any]) -> tuple[str, MemoryAnatomy | None]:
+    """Why the rank that ran out of memory with the most allocated did, and its anatomy."""
+    r = max(oom, key=lambda r: (r.get("memory") or {}).get("peak_allocated", 0))
+    mem = r.get("memory") or {}
+    hit = r.get("budget_hit")
+    extra["oom_rank"] = r["rank"]
+    extra["error"] = r.get("error", "")
+    where = f"step {mem.get('peak_step', '?')} ({mem.get('peak_phase', '?')})"
+    if hit:
+        extra["budget_hit"] = hit
+        reason = (
+            f"out of memory at {where}: {hit['live_before'] / 2**20:.1f} MiB allocated + "
+            f"{hit['requested'] / 2**20:.1f} MiB requested > the {hit['budget'] / 2**20:.1f} MiB budget "
+            f"(rank {r['rank']})"
+        )
+    else:
+        reason = f"out of memory at {where} on rank {r['rank']}: {r.get('error', '')}"
+    return reason, anatomy(mem) if mem.get("peak_allocated") else None
+
+
+def _failure(trial_dir: Path, rc: int | None, failed: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+    """Why a trial left no result: a rank's error, a signal, the OOM exit code or the exit status."""
+    stderr = _tail(trial_dir / "stderr.log")
+    extra["stderr_tail"] = stderr
+    if failed:
+        extra["traceback"] = failed[0].get("traceback", [])
+        return f"rank {failed[0]['rank']} failed: {failed[0].get('error', '')}"
+    if rc is not None and rc < 0:
+        return f"the trial was killed by signal {signal.Signals(-rc).name}" + (
+            " (the kernel's OOM killer?)" if rc == -signal.SIGKILL else ""
+        )
+    if rc == EXIT_OOM:
+        return "out of memory (the rank's result file is missing)"
+    return f"the trial exited with status {rc} without a result" + (f": {stderr[-1]}" if stderr else "")
+
+
+def _finished(result: dict[str, Any], extra: dict[str, Any]) -> tuple[MemoryAnatomy, Throughput]:
+    """The worst rank's anatomy (with every rank's host memory) and the timed steps' throughput."""
     per_rank = [anatomy(r["memory"]) for r in result["ranks"]]
     host = sum(int(r["memory"].get("rss_peak_bytes", 0)) for r in result["ranks"])
     worst = max(range(len(per_rank)), key=lambda i: per_rank[i].device_total)
@@ -615,8 +629,7 @@ def classify(
         step_time_s=float(result["step_time_s"]),
         compute_s=float(result["step_time_s"]),
     )
-    status, reason = judge(memory, ctx)
-    return mk(status, reason, memory, throughput)
+    return memory, throughput
 
 
 def _rank_memory(mem: dict[str, Any]) -> dict[str, Any]:

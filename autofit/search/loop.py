@@ -605,39 +605,22 @@ def work(
         while deadline is None or time.monotonic() < deadline:
             try:
                 with _Claim(store.study_lock(study_rec.id)) as claim:
-                    if heartbeat[0]:
-                        with _quiet_experimental():
-                            optuna.storages.fail_stale_trials(study)
-                    stored = store.trials(study_rec.id)
-                    evaluated = {t.plan_id for t in stored}
-                    if len(evaluated) >= request.trials:
-                        return "done"
-                    trials = study.get_trials(deepcopy=False)
-                    requeued = _requeue_lost(study, trials, {t.optuna_trial_id for t in stored})
-                    if requeued:
-                        report("requeued", {"numbers": requeued})
-                        trials = study.get_trials(deepcopy=False)
-                    running = sum(t.state.name == "RUNNING" for t in trials)
-                    if len(evaluated) + running < request.trials:
-                        if objective.duplicates_in_a_row:  # the sampler proposed evaluated plans: any left?
-                            left = objective.next_unevaluated(evaluated | _in_flight(study))
-                            if left is None and not running:
-                                report("exhausted", {"n": len(evaluated)})
-                                return "exhausted"
-                            if left is None:  # the last plans are running in other workers: wait
-                                raise _NothingToClaim
-                            if objective.duplicates_in_a_row >= DUPLICATES_IN_A_ROW and not any(
-                                t.state.name == "WAITING" for t in trials
-                            ):
-                                study.enqueue_trial(left)  # it keeps proposing them: the screen's next goes first
-                                objective.duplicates_in_a_row = 0
-                        objective.claim = claim
-                        objective.current = _next_trial_number(study)  # known before ask() can fail half-way
-                        remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
-                        study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
-                        objective.current = None
-                        outage.clear()
-                        continue
+                    step = _claim_and_run(
+                        request,
+                        store,
+                        study_rec.id,
+                        study,
+                        objective,
+                        claim,
+                        report,
+                        deadline,
+                        stale=bool(heartbeat[0]),
+                    )
+                if step in ("done", "exhausted"):
+                    return step
+                if step == "ran":
+                    outage.clear()
+                    continue
             except _NothingToClaim:
                 pass
             except Exception as exc:  # noqa: BLE001 - only database outages are retried
@@ -652,6 +635,56 @@ def work(
     except KeyboardInterrupt:
         return "interrupted"
     return "timeout"
+
+
+def _claim_and_run(
+    request: SearchRequest,
+    store,
+    study_id: int,
+    study,
+    objective: _Objective,
+    claim: _Claim,
+    report: Progress,
+    deadline: float | None,
+    *,
+    stale: bool,
+) -> str | None:
+    """Under the study lock: ``done`` when the budget of evaluated plans is met, ``exhausted``
+    when no plan is left, ``ran`` after one trial, None when the rest of the budget is
+    running elsewhere (raises ``_NothingToClaim`` when only running plans are left)."""
+    import optuna
+
+    if stale:
+        with _quiet_experimental():
+            optuna.storages.fail_stale_trials(study)
+    stored = store.trials(study_id)
+    evaluated = {t.plan_id for t in stored}
+    if len(evaluated) >= request.trials:
+        return "done"
+    trials = study.get_trials(deepcopy=False)
+    requeued = _requeue_lost(study, trials, {t.optuna_trial_id for t in stored})
+    if requeued:
+        report("requeued", {"numbers": requeued})
+        trials = study.get_trials(deepcopy=False)
+    running = sum(t.state.name == "RUNNING" for t in trials)
+    if len(evaluated) + running >= request.trials:
+        return None
+    if objective.duplicates_in_a_row:  # the sampler proposed evaluated plans: any left?
+        left = objective.next_unevaluated(evaluated | _in_flight(study))
+        if left is None and not running:
+            report("exhausted", {"n": len(evaluated)})
+            return "exhausted"
+        if left is None:  # the last plans are running in other workers: wait
+            raise _NothingToClaim
+        if objective.duplicates_in_a_row >= DUPLICATES_IN_A_ROW and not any(t.state.name == "WAITING" for t in trials):
+            study.enqueue_trial(left)  # it keeps proposing them: the screen's next goes first
+            objective.duplicates_in_a_row = 0
+    objective.claim = claim
+    objective.current = _next_trial_number(study)  # known before ask() can fail half-way
+    remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
+    study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
+    objective.current = None
+    return "ran"
 
 
 def _next_trial_number(study) -> int:

@@ -2,7 +2,7 @@
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2025-06-01
+Create Date: 2026-12-03
 
 Data only, no schema change:
 
