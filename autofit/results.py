@@ -16,6 +16,7 @@ from autofit.plan import Plan
 from autofit.specs import Target
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead")
+TENSOR_COMPONENTS = COMPONENTS[:-1]  # what tensors hold; overhead is added on top of them
 TOTALS = ("peak_allocated", "peak_reserved", "device_total")
 
 # The evaluators, least faithful first: a measurement of a plan overrides its predictions.

@@ -26,11 +26,11 @@ from _errors import summary_table
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
 from autofit.plan import Plan, plan_problems
-from autofit.results import COMPONENTS
+from autofit.results import TENSOR_COMPONENTS
 from autofit.specs import MODELS, Target, Workload, parse_cluster
 
 MiB = 2**20
-PARTS = [c for c in COMPONENTS if c != "overhead"]
+PARTS = list(TENSOR_COMPONENTS)
 
 
 def plans_for(model) -> list[tuple[str, Plan]]:

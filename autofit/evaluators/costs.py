@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
 from autofit.specs import ClusterSpec, ModelSpec
+from autofit.specs.units import GiB, MiB
 from autofit.techniques import DTYPE_BYTES, SHORT_NAME, deepspeed_buckets, dtype_layout
-
-MiB = 2**20
-GiB = 2**30
 
 # -- device-level overhead ---------------------------------------------------------------
 # CUDA context + cuBLAS workspaces of a PyTorch process with lazy module loading

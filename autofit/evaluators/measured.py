@@ -30,7 +30,7 @@ from autofit.errors import AutofitError
 from autofit.evaluators._trial_main import EXIT_OOM  # the child's protocol (stdlib-only module)
 from autofit.evaluators.base import Evaluator, StepCallback, StepReport
 from autofit.plan import Offload, Optimizer, Plan
-from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import Target
 
 DEFAULT_WARMUP_STEPS = 2  # the first step creates the optimizer states, the second is steady
@@ -502,7 +502,7 @@ def anatomy(mem: dict[str, Any], host_bytes: int = 0) -> MemoryAnatomy:
     The tracker sees tensors; what CUDA counts beyond them (kernel workspaces) goes to
     ``temporary`` so that the components sum to ``peak_allocated``.
     """
-    comps = {c: int((mem.get("components") or {}).get(c, 0)) for c in COMPONENTS if c != "overhead"}
+    comps = {c: int((mem.get("components") or {}).get(c, 0)) for c in TENSOR_COMPONENTS}
     peak = int(mem.get("peak_allocated") or sum(comps.values()))
     comps["temporary"] = max(0, comps["temporary"] + peak - sum(comps.values()))
     reserved = int(mem.get("peak_reserved") or peak)

@@ -41,12 +41,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from autofit.results import COMPONENTS
+from autofit.results import TENSOR_COMPONENTS
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
-# the anatomy components tensors hold (overhead is not a tensor)
-TRACKED = tuple(c for c in COMPONENTS if c != "overhead")
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; what
 # torch.cuda.max_memory_allocated counts is the rounded size.
@@ -270,7 +268,7 @@ class StorageTracker(TorchDispatchMode):
         """Replay the log up to ``event`` (default: the peak) and attribute each live storage."""
         event = self.peak_event if event is None else event
         live = self.live_at(event)
-        comps = dict.fromkeys(TRACKED, 0)
+        comps = dict.fromkeys(TENSOR_COMPONENTS, 0)
         for key, nbytes in live.items():
             comps[self.classify(key)] += nbytes
         return Snapshot(

@@ -21,13 +21,12 @@ from typing import Any
 from autofit.evaluators import costs
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Offload, Plan
-from autofit.results import COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
 
 FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
 CACHE_SIZE = 64
-_TRACED = tuple(c for c in COMPONENTS if c != "overhead")  # what tensors hold; overhead is arithmetic
 
 
 # -- what a trace depends on -------------------------------------------------------------
@@ -693,7 +692,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     start, end = steady_window(trace)
     marks = sorted((i, ph) for i, ph, st_ in trace.marks)
     live: dict[int, int] = {}
-    comp = dict.fromkeys(_TRACED, 0)
+    comp = dict.fromkeys(TENSOR_COMPONENTS, 0)
     best, best_event, best_phase = None, -1, ""
     mi, phase = 0, "setup"
     for ev, (key, delta) in enumerate(trace.log):
@@ -736,7 +735,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
 
 def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
     rm = rank_memory(trace, plan, ctx)
-    comp = {k: rm.components.get(k, 0) for k in _TRACED}
+    comp = {k: rm.components.get(k, 0) for k in TENSOR_COMPONENTS}
     peak_allocated = sum(comp.values())
     peak_reserved = costs.reserved_bytes(peak_allocated)
     total = costs.device_total(peak_reserved, ctx.cluster.world_size)

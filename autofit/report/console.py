@@ -15,8 +15,8 @@ from rich.text import Text
 
 from autofit.results import COMPONENTS, TrialResult
 from autofit.specs import GPUSpec, ModelSpec, Target
+from autofit.specs.units import GiB
 
-GiB = 2**30
 PIPE_WIDTH = 160  # columns for tables written to a pipe or file (rich's default is 80)
 
 

@@ -25,8 +25,8 @@ from typing import Any
 from autofit.errors import AutofitError, ReportError
 from autofit.results import COMPONENTS, TOTALS, TrialResult
 from autofit.specs import Target
+from autofit.specs.units import GiB
 
-GiB = 2**30
 REPORT_NAME = "report.html"
 REPORT_ROOT = "autofit-report"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.results import COMPONENTS, fidelity
+from autofit.specs.units import GiB
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from autofit.report.analysis import AnatomyGroup, Effects, Standing
     from autofit.specs import Target
 
-GiB = 2**30
 
 # One colour per DESIGN.md component (Okabe-Ito, readable by colour-blind people), everywhere.
 COMPONENT_COLORS = {

@@ -16,11 +16,10 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autofit.results import COMPONENTS, MemoryAnatomy, Status, TrialResult, judge
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, TrialResult, judge
 from autofit.specs import Target
 
-TENSORS = tuple(c for c in COMPONENTS if c != "overhead")
-KEYS = (*TENSORS, "peak_allocated", "device_total", "tokens_per_sec")
+KEYS = (*TENSOR_COMPONENTS, "peak_allocated", "device_total", "tokens_per_sec")
 MIN_PAIRS = 3
 OUTLIER_MADS = 3.0
 
@@ -50,7 +49,7 @@ class Calibration:
         if result.evaluator != self.evaluator or result.memory is None:
             return result
         m, f = result.memory, self.factors
-        scaled = {c: getattr(m, c) * f.get(c, 1.0) for c in TENSORS}
+        scaled = {c: getattr(m, c) * f.get(c, 1.0) for c in TENSOR_COMPONENTS}
         peak = m.peak_allocated * f.get("peak_allocated", 1.0)
         total_scaled = sum(scaled.values()) or 1.0
         comps = {c: int(v * peak / total_scaled) for c, v in scaled.items()}  # sum to the calibrated peak

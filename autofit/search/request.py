@@ -65,7 +65,8 @@ def with_cpu_budget(cluster: ClusterSpec, budget: str | int) -> ClusterSpec:
     """
     import dataclasses
 
-    from autofit.specs.gpus import GiB, cpu_device, physical_memory_bytes
+    from autofit.specs.gpus import cpu_device, physical_memory_bytes
+    from autofit.specs.units import GiB
 
     if cluster.gpu.kind != "cpu":
         raise SpecError(f"--cpu-mem-budget applies to the local CPU target (--gpus 1xcpu), not {cluster.gpu.name}")

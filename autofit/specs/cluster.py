@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 
 from autofit.errors import SpecError
-from autofit.specs.gpus import GiB, GPUSpec, cpu_device, resolve_gpu
+from autofit.specs.gpus import GPUSpec, cpu_device, resolve_gpu
+from autofit.specs.units import GiB
 
 # Default inter-node bandwidth per GPU, GB/s one direction: a 200 Gb/s InfiniBand or
 # RoCE NIC shared by the node's GPUs is typical of cloud training instances.

@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 
 from autofit.errors import SpecError
+from autofit.specs.units import GiB
 
 GB = 10**9
-GiB = 2**30
 
 _PCIE_GBPS = {3: 16.0, 4: 32.0, 5: 64.0}  # x16, one direction, theoretical
 

@@ -11,6 +11,9 @@ import re
 
 from autofit.errors import SpecError
 
+MiB = 2**20
+GiB = 2**30
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
 _UNITS = {
     "": 1,
