@@ -67,8 +67,7 @@ class StudyModel(Base):
     seq_len: Mapped[int] = mapped_column(Integer, nullable=False)  # copied out of workload to query on
     global_batch: Mapped[int] = mapped_column(Integer, nullable=False)
     allowed: Mapped[dict] = mapped_column(JSON, nullable=False)
-    # The column keeps its first name, "backend" (renaming it would rewrite the table on SQLite).
-    evaluator: Mapped[str] = mapped_column("backend", String(32), nullable=False)
+    evaluator: Mapped[str] = mapped_column(String(32), nullable=False)
     budget: Mapped[dict] = mapped_column(JSON, nullable=False)
     headroom: Mapped[float] = mapped_column(Double, nullable=False)
     versions: Mapped[dict] = mapped_column(JSON, nullable=False)

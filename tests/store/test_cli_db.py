@@ -21,18 +21,18 @@ def test_upgrade_creates_then_reports_head(db_url):
     assert json.loads(r.output) == {
         "url": masked,
         "current": None,
-        "head": "0002",
+        "head": "0003",
         "up_to_date": False,
         "needs_upgrade": True,
         "known": True,
     }
     r = run("db", "upgrade", "--db", db_url)
     assert r.exit_code == 0, r.output
-    assert r.output == f"{masked}: upgraded from an empty database to revision 0002\n"
+    assert r.output == f"{masked}: upgraded from an empty database to revision 0003\n"
     r = run("db", "upgrade", "--db", db_url)
-    assert r.output == f"{masked}: already at revision 0002\n"
+    assert r.output == f"{masked}: already at revision 0003\n"
     info = json.loads(run("db", "current", "--db", db_url, "--json").output)
-    assert (info["current"], info["up_to_date"], info["needs_upgrade"]) == ("0002", True, False)
+    assert (info["current"], info["up_to_date"], info["needs_upgrade"]) == ("0003", True, False)
     with Store(db_url) as store:
         assert store.schema_diff() == []
 
@@ -42,7 +42,7 @@ def test_current_as_text_and_from_the_environment(tmp_path):
     r = run("db", "upgrade", env={"AUTOFIT_DB": str(path)})
     assert r.exit_code == 0 and path.exists()
     r = run("db", "current", env={"AUTOFIT_DB": str(path)})
-    assert r.output.splitlines() == [f"database: sqlite:///{path}", "current:  0002", "head:     0002", "up to date"]
+    assert r.output.splitlines() == [f"database: sqlite:///{path}", "current:  0003", "head:     0003", "up to date"]
 
 
 def test_bad_db_is_one_clear_line(tmp_path):

@@ -25,7 +25,7 @@ from tests.store.samples import ALLOWED, gpt2_ctx, gpt2_results
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUTURE = "9999"
-HEAD = "0002"
+HEAD = "0003"
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +78,7 @@ def _fill(store: Store) -> tuple[int, list]:
 def test_new_database_is_created_at_head(db_url):
     with Store(db_url) as store:
         assert store.current_revision() == Store.head_revision() == HEAD
-        assert Store.revisions() == ["0001", "0002"]
+        assert Store.revisions() == ["0001", "0002", "0003"]
         with store.engine.connect() as conn:
             tables = set(inspect(conn).get_table_names())
         assert {"autofit_studies", "autofit_trials", "autofit_alembic_version"} <= tables
@@ -198,12 +198,22 @@ def test_fixture_database_upgrades_to_head_keeping_every_row(revision, tmp_path)
         assert store.find_finished_study(gpt2.request_key) == gpt2
 
 
-def _at_0001(db_url: str) -> Store:
-    """A database at revision 0001 (its schema is the head's: 0002 changes only data)."""
-    store = Store(db_url, check_schema=False)
-    store.upgrade("0001")
-    assert store.current_revision() == "0001"
-    return store
+def _down_to(store: Store, revision: str) -> None:
+    """Take ``store``'s database back to ``revision`` with the migrations' own downgrades.
+
+    Rows for an old revision are written at the head (today's Store) and then taken down:
+    the ORM maps today's columns, and the downgrades rename them back."""
+    from alembic import command
+
+    with store.engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:  # as schema.upgrade does: batch mode copies tables, which must not cascade
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        command.downgrade(schema.alembic_config(Store.script_location, conn), revision)
+        conn.commit()
+        if sqlite:
+            conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+    assert store.current_revision() == revision
 
 
 def test_0002_tells_screened_from_pruned_by_the_pruner(db_url):
@@ -212,18 +222,16 @@ def test_0002_tells_screened_from_pruned_by_the_pruner(db_url):
     fast, slow, oom, screened = gpt2_results(ctx)
     old_screened = dataclasses.replace(screened, status=Status.PRUNED)  # how 0001's search recorded it
     by_pruner = dataclasses.replace(slow, evaluator="measured", status=Status.PRUNED, extra={"pruned_by": "pruner"})
-    with _at_0001(db_url) as store:
+    with Store(db_url) as store:
         study = store.create_study(ctx, evaluator="measured", name="old")
         for r in (fast, old_screened, by_pruner, oom):
             store.record_trial(study.id, r)
+        _down_to(store, "0001")
         assert store.upgrade() == ("0001", HEAD)
     with Store(db_url) as store:
         assert [t.status for t in store.trials(study.id)] == [Status.FITS, Status.SCREENED, Status.PRUNED, Status.OOM]
         assert store.list_studies()[0].counts == {"fits": 1, "screened": 1, "pruned": 1, "oom": 1}
-        from alembic import command
-
-        with store.engine.begin() as conn:  # down: both are "pruned" again, told apart by extra
-            command.downgrade(schema.alembic_config(Store.script_location, conn), "0001")
+        _down_to(store, "0001")  # down: both are "pruned" again, told apart by extra
         with store.engine.connect() as conn:
             statuses = conn.execute(text("SELECT status FROM autofit_trials ORDER BY id")).scalars().all()
         assert statuses == ["fits", "pruned", "pruned", "oom"]
@@ -239,7 +247,7 @@ def test_0002_recovers_the_memory_budget_of_a_cpu_study(db_url):
     from autofit.search.request import build_context
 
     ctx = build_context("gpt2", "1xcpu", seq_len=256, global_batch=8, cpu_mem_budget="3GiB")
-    with _at_0001(db_url) as store:
+    with Store(db_url) as store:
         study = store.create_study(ctx, evaluator="analytic", name="cpu")
         store.record_trial(study.id, AnalyticEvaluator().evaluate(Plan(micro_batch=8, grad_accum=1), ctx))
         store.create_study(ctx, evaluator="analytic", name="cpu-empty")
@@ -249,6 +257,7 @@ def test_0002_recovers_the_memory_budget_of_a_cpu_study(db_url):
                 cluster = {k: v for k, v in row.cluster.items() if k != "cpu_memory_bytes"}
                 conn.execute(studies.update().where(studies.c.id == row.id).values(cluster=cluster))
         assert store.get_study("cpu").context().capacity_bytes != 3 * 2**30  # lost: this machine's RAM
+        _down_to(store, "0001")
         store.upgrade()
     with Store(db_url) as store:
         assert store.get_study("cpu").context() == ctx
@@ -315,3 +324,17 @@ def test_concurrent_first_opens_migrate_once(db_url, tmp_path):
     assert [out.strip() for out, _ in outs] == [HEAD] * 4
     with Store(db_url) as store:
         assert store.schema_diff() == []
+
+
+def test_0003_names_the_column_evaluator_and_back(db_url):
+    """The study's evaluator column is renamed on the way up and back on the way down, values kept."""
+    with Store(db_url) as store:
+        study = store.create_study(gpt2_ctx(), evaluator="simulated", name="renamed")
+        _down_to(store, "0002")
+        with store.engine.connect() as conn:
+            columns = {c["name"] for c in inspect(conn).get_columns("autofit_studies")}
+            assert "backend" in columns and "evaluator" not in columns
+            assert conn.execute(text("SELECT backend FROM autofit_studies")).scalars().all() == ["simulated"]
+        assert store.upgrade() == ("0002", HEAD)
+        assert store.get_study("renamed").evaluator == "simulated" and store.schema_diff() == []
+        assert store.get_study(study.id).request_key == study.request_key

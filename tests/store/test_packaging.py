@@ -17,6 +17,7 @@ MIGRATION_FILES = [  # migrations/ of the checkout, shipped as the package autof
     "autofit/migrations/script.py.mako",
     "autofit/migrations/versions/0001_initial.py",
     "autofit/migrations/versions/0002_screened_status.py",
+    "autofit/migrations/versions/0003_evaluator_column.py",
 ]
 
 
