@@ -8,6 +8,7 @@ import click
 
 from autofit.cli.options import (
     db_option,
+    evaluator_option,
     evaluator_options,
     handle_errors,
     json_option,
@@ -23,14 +24,7 @@ from autofit.search.request import build_context, build_plan
 @click.command()
 @target_options
 @plan_options
-@click.option(
-    "--evaluator",
-    "--backend",
-    "evaluator",
-    type=click.Choice(["auto", "analytic", "simulated", "measured"]),
-    default="auto",
-    show_default=True,
-)
+@evaluator_option
 @measured_options
 @click.option(
     "--calibration/--no-calibration",

@@ -188,6 +188,21 @@ def evaluator_options(opts: dict) -> dict:
     return out
 
 
+def evaluator_option(fn: Callable) -> Callable:
+    """--evaluator (``--backend`` is its earlier name, still read): which fidelity evaluates."""
+    from autofit.evaluators import EVALUATOR_CHOICES
+
+    return click.option(
+        "--evaluator",
+        "--backend",
+        "evaluator",
+        type=click.Choice(EVALUATOR_CHOICES),
+        default="auto",
+        show_default=True,
+        help="auto: measure on matching local GPUs, else the most faithful estimator.",
+    )(fn)
+
+
 def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)
 

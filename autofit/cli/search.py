@@ -13,6 +13,7 @@ from rich.console import Console
 
 from autofit.cli.options import (
     db_option,
+    evaluator_option,
     evaluator_options,
     handle_errors,
     json_option,
@@ -34,15 +35,7 @@ from autofit.report import analysis, console
     "--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision]."
 )
 @click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
-@click.option(
-    "--evaluator",
-    "--backend",
-    "evaluator",
-    type=click.Choice(["auto", "analytic", "simulated", "measured"]),
-    default="auto",
-    show_default=True,
-    help="auto: measure on matching local GPUs, else the most faithful estimator.",
-)
+@evaluator_option
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by evaluator].")
 @click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from autofit.errors import AutofitError
 from autofit.evaluators.base import Evaluator
-from autofit.results import TrialResult
+from autofit.results import EVALUATORS, TrialResult
 from autofit.specs import Target
 
-EVALUATOR_CHOICES = ("auto", "analytic", "simulated", "measured")
+EVALUATOR_CHOICES = ("auto", *EVALUATORS)  # auto: the most faithful one available for the target
 
 
 def get_evaluator(name: str, **options) -> Evaluator:

@@ -701,24 +701,7 @@ def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.Sharde
     cluster = ctx.cluster
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
-    peak_allocated = sum(comp.values())
-    peak_reserved = costs.reserved_bytes(peak_allocated, cluster.gpu.kind)
-    total = costs.device_total(peak_reserved, cluster.world_size, cluster.gpu.kind)
-    host = (st.host + costs.HOST_PROCESS_BYTES) * cluster.gpus_per_node
-    memory = MemoryAnatomy(
-        weights=comp["weights"],
-        gradients=comp["gradients"],
-        optimizer=comp["optimizer"],
-        activations=comp["activations"],
-        temporary=comp["temporary"],
-        logits=comp["logits"],
-        overhead=total - peak_allocated,
-        peak_allocated=peak_allocated,
-        peak_reserved=peak_reserved,
-        device_total=total,
-        host_bytes=int(host),
-    )
-    return memory, phase
+    return costs.on_device(comp, cluster, st.host, cluster.gpu.kind), phase
 
 
 def estimate(plan: Plan, ctx: Target) -> Estimate:

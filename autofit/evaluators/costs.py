@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy
 from autofit.specs import ClusterSpec, ModelSpec
 from autofit.specs.units import GiB, MiB
 from autofit.techniques import DTYPE_BYTES, SHORT_NAME, deepspeed_buckets, dtype_layout
@@ -68,6 +69,23 @@ def device_total(peak_reserved: int, world_size: int, kind: str = "cuda") -> int
     if kind == "cpu":
         return int(peak_reserved)
     return peak_reserved + CUDA_CONTEXT_BYTES + nccl_bytes(world_size)
+
+
+def on_device(components: dict[str, int], cluster: ClusterSpec, host: float, kind: str = "cuda") -> MemoryAnatomy:
+    """The anatomy of a rank from its six tensor components at the peak: the caching
+    allocator's pool and the device's context on top, and ``host`` (offloaded bytes per
+    rank) plus each process's own host memory, per node."""
+    peak_allocated = sum(components[c] for c in TENSOR_COMPONENTS)
+    peak_reserved = reserved_bytes(peak_allocated, kind)
+    total = device_total(peak_reserved, cluster.world_size, kind)
+    return MemoryAnatomy(
+        **{c: components[c] for c in TENSOR_COMPONENTS},
+        overhead=total - peak_allocated,
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        device_total=total,
+        host_bytes=int((host + HOST_PROCESS_BYTES) * cluster.gpus_per_node),
+    )
 
 
 def matmul_efficiency(tokens: float) -> float:

@@ -736,29 +736,14 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
 def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
     rm = rank_memory(trace, plan, ctx)
     comp = {k: rm.components.get(k, 0) for k in TENSOR_COMPONENTS}
-    peak_allocated = sum(comp.values())
-    peak_reserved = costs.reserved_bytes(peak_allocated)
-    total = costs.device_total(peak_reserved, ctx.cluster.world_size)
     host = 0.0
     if plan.offload is not Offload.NONE:
         sb = costs.state_bytes(ctx.model, plan)
         st = costs.shard_states(plan, ctx.model, ctx.cluster, sb, 0.0, 0.0, 0.0)
         host = st.host
-    host_bytes = (host + costs.HOST_PROCESS_BYTES) * ctx.cluster.gpus_per_node
-    mem = MemoryAnatomy(
-        weights=comp["weights"],
-        gradients=comp["gradients"],
-        optimizer=comp["optimizer"],
-        activations=comp["activations"],
-        temporary=comp["temporary"],
-        logits=comp["logits"],
-        overhead=total - peak_allocated,
-        peak_allocated=peak_allocated,
-        peak_reserved=peak_reserved,
-        device_total=total,
-        host_bytes=int(host_bytes),
-    )
-    return mem, rm.phase
+    # judged as on a CUDA device whatever the target (the CPU target too): what the
+    # simulator has always done; the analytic evaluator passes the target's kind
+    return costs.on_device(comp, ctx.cluster, host, "cuda"), rm.phase
 
 
 def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
