@@ -112,6 +112,10 @@ class Plan:
     method: Method = Method.FULL
     lora_rank: int | None = None
     lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
+    # dropout on each adapter's input (peft ``LoraConfig.lora_dropout``; peft's default 0.0). A
+    # training choice the user makes, never searched: above 0 every adapted Linear keeps its own
+    # dropped copy of its input and a mask for backward (peft ``lora.Linear.forward``)
+    lora_dropout: float = 0.0
     precision: Precision = Precision.BF16_MIXED
     optimizer: Optimizer = Optimizer.ADAMW
     micro_batch: int = 1
@@ -142,6 +146,11 @@ class Plan:
             not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 1
         ):
             problems.append(f"lora_rank must be a positive integer, got {self.lora_rank!r}")
+        d = self.lora_dropout
+        if isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < 1.0:
+            object.__setattr__(self, "lora_dropout", float(d))
+        else:
+            problems.append(f"lora_dropout must be a number in [0, 1), got {d!r}")
         for name in ("packing", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -167,7 +176,11 @@ class Plan:
         return {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}.get(self.sharding, 0)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name, default in _LATER_FIELDS.items():  # so plans stored before them keep their ids
+            if d[name] == default:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -190,6 +203,8 @@ class Plan:
         parts = [f"{self.method.value} r{self.lora_rank}" if self.is_peft else self.method.value]
         if self.is_peft and self.lora_targets is not LoraTargets.ALL_LINEAR:
             parts[-1] += f" ({self.lora_targets.value})"
+        if self.lora_dropout:
+            parts[-1] += f" dropout {self.lora_dropout:g}"
         parts += [self.precision.value, self.optimizer.value, f"mb{self.micro_batch}×ga{self.grad_accum}"]
         if self.checkpointing is not Checkpointing.NONE:
             parts.append("ckpt")
@@ -204,6 +219,11 @@ class Plan:
         if self.fused_loss:
             parts.append("fused-loss")
         return " · ".join(parts)
+
+
+# fields added after plans were first stored: left out of the canonical form (and so of
+# ``plan_id``) while they hold their default
+_LATER_FIELDS = {"lora_dropout": 0.0}
 
 
 def _plain(value: Any) -> Any:
@@ -225,6 +245,8 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         p.append(f"method {plan.method.value} needs a LoRA rank (--lora-rank, e.g. 16)")
     if not plan.is_peft and plan.lora_rank is not None:
         p.append("--lora-rank applies only to method lora or qlora; drop it or pick one of those")
+    if not plan.is_peft and plan.lora_dropout:
+        p.append("--lora-dropout applies only to method lora or qlora; drop it or pick one of those")
     if plan.method is Method.QLORA and not half:
         p.append("qlora computes in 16-bit: use precision bf16-mixed, fp16-mixed or bf16-true, not 32-true")
 

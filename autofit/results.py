@@ -214,13 +214,19 @@ def winner(results: Iterable[TrialResult]) -> TrialResult | None:
     return best[0] if best else None
 
 
-def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
-    """Fits when ``device_total <= capacity × (1 - headroom)`` and the host has room."""
+def judge(memory: MemoryAnatomy, ctx: Target, margin: float = 0.0) -> tuple[Status, str]:
+    """Fits when ``device_total × (1 + margin) <= capacity × (1 - headroom)`` and the host has room.
+
+    ``margin``: the estimator's 95% error margin on real GPUs (``evaluators.costs.fit_margin``;
+    0 for a measurement): a predicted plan fits only if it still fits when it errs that much.
+    """
     budget = ctx.budget_bytes
-    if memory.device_total > budget:
-        over = memory.device_total - budget
+    need = memory.device_total + margin_bytes(memory, margin)
+    if need > budget:
+        over = need - budget
+        with_margin = f" with a {margin:.0%} margin" if margin else ""
         return Status.OOM, (
-            f"needs {memory.device_total / 2**30:.2f} GiB per GPU, {over / 2**30:.2f} GiB over the "
+            f"needs {need / 2**30:.2f} GiB per GPU{with_margin}, {over / 2**30:.2f} GiB over the "
             f"{budget / 2**30:.2f} GiB budget ({ctx.cluster.gpu.name}, {ctx.headroom:.0%} headroom); "
             f"{memory.bottleneck}"
         )
@@ -230,6 +236,16 @@ def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
             f"the node has {ctx.cluster.host_memory_bytes / 2**30:.0f} GiB (--host-mem)"
         )
     return Status.FITS, ""
+
+
+def margin_bytes(memory: MemoryAnatomy, margin: float) -> int:
+    """The bytes a fraction ``margin`` of the device total adds to what a plan must fit in."""
+    return int(memory.device_total * margin)
+
+
+def fit_margin_of(result: TrialResult) -> int:
+    """The margin in bytes a result's fit was judged with (0: none, as for a measurement)."""
+    return int((result.extra or {}).get("fit_margin", {}).get("bytes", 0))
 
 
 def bottleneck(components: dict[str, float]) -> str:

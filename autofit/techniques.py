@@ -128,11 +128,11 @@ def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
 
 
 def lora_kwargs(spec: ModelSpec, plan: Plan) -> dict[str, Any]:
-    """``peft.LoraConfig`` keyword arguments: alpha = 2·rank, no dropout, no bias training."""
+    """``peft.LoraConfig`` keyword arguments: alpha = 2·rank, the plan's dropout, no bias training."""
     return {
         "r": plan.lora_rank,
         "lora_alpha": 2 * plan.lora_rank,
-        "lora_dropout": 0.0,
+        "lora_dropout": plan.lora_dropout,
         "target_modules": lora_target_names(spec, plan),
         "bias": "none",
     }

@@ -113,6 +113,12 @@ def plan_options(fn: Callable) -> Callable:
         ),
         click.option("--lora-targets", type=_choice(LoraTargets), default="all-linear", show_default=True),
         click.option(
+            "--lora-dropout",
+            type=click.FloatRange(0.0, 1.0, max_open=True),
+            default=None,
+            help="Dropout on the adapters' inputs (lora/qlora; peft's default: 0.0).",
+        ),
+        click.option(
             "--precision",
             type=_choice(Precision),
             default=None,

@@ -35,6 +35,12 @@ from autofit.report import analysis, console
     "--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision]."
 )
 @click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
+@click.option(
+    "--lora-dropout",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=None,
+    help="Dropout on LoRA adapters' inputs, your training choice (peft's default: 0.0).",
+)
 @evaluator_option
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Trial budget [default: by evaluator].")
 @click.option("--timeout", default=None, help="Time budget, e.g. 90s, 10m, 1h.")
@@ -107,7 +113,9 @@ def search(cctx: click.Context, **opts):
         headroom=opts["headroom"],
         cpu_mem_budget=opts["cpu_mem_budget"],
     )
-    allowed = Allowed.parse(opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"])
+    allowed = Allowed.parse(
+        opts["methods"], opts["optimizers"], opts["precisions"], opts["lora_ranks"], opts["lora_dropout"]
+    )
     evaluator = resolve_evaluator(opts["evaluator"], ctx)
     request = SearchRequest(
         ctx=ctx,

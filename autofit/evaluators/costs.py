@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
-from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, margin_bytes
 from autofit.specs import ClusterSpec, ModelSpec
 from autofit.specs.units import GiB, MiB
 from autofit.techniques import DTYPE_BYTES, SHORT_NAME, deepspeed_buckets, dtype_layout
@@ -31,8 +31,6 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 # NCCL communicators: buffers per channel and peer; grows with world size.
 NCCL_BASE_BYTES = 256 * MiB
 NCCL_PER_PEER_BYTES = 24 * MiB
-# Caching-allocator fragmentation: reserved / allocated at the peak of a training step.
-ALLOCATOR_FRAGMENTATION = 0.04
 # Host memory a training process needs beyond offloaded tensors (torch, CUDA libs, data).
 HOST_PROCESS_BYTES = 3 * GiB
 
@@ -44,6 +42,46 @@ LINK_EFFICIENCY = 0.7  # bus bandwidth NCCL reaches of the link's peak
 COMM_OVERLAP = 0.6  # fraction of gradient communication hidden behind backward compute
 CPU_ADAM_PARAMS_PER_SEC = 2.0e9  # DeepSpeedCPUAdam on one node's cores
 NVME_GBPS = 3.0  # one node's NVMe read/write bandwidth
+
+
+# cuBLAS workspaces. torch gives every (cuBLAS handle, stream) pair a workspace from the
+# caching allocator and holds it for the process's life (aten/src/ATen/cuda/CublasHandlePool.cpp:
+# setWorkspaceForHandle -> getNewWorkspace -> CUDACachingAllocator allocate), so it counts in
+# max_memory_allocated. Size: CUBLAS_WORKSPACE_CONFIG, by default ":4096:2:16:8" (8 MiB + 128 KiB)
+# and 32 MiB on sm90 (parseChosenWorkspaceSize); cuBLASLt shares it (TORCH_CUBLASLT_UNIFIED_WORKSPACE
+# is on by default). Handles are per thread: the forward's and autograd's backward thread.
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """One cuBLAS workspace on a GPU of this compute capability, as torch sizes it by default."""
+    return 4096 * 8 * 1024 if capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def fit_margin(evaluator: str, kind: str = "cuda") -> float:
+    """The fraction an estimator's device total is raised by before the fit decision: what
+    covers 95% of published GPU runs (``evidence.json``, written by
+    ``benchmarks/published_runs.py --write-evidence``; docs/EVALUATORS.md). The CPU target has
+    no margin: the simulator agrees with real CPU steps to the byte."""
+    if kind != "cuda":
+        return 0.0
+    return float(_evidence()["fit_margin"].get(evaluator, {}).get("margin", 0.0))
+
+
+def fit_margin_extra(margin: float, memory: MemoryAnatomy) -> dict:
+    """What a result says of the margin its fit was judged with (``TrialResult.extra``)."""
+    if not margin:
+        return {}
+    return {"fit_margin": {"fraction": margin, "bytes": margin_bytes(memory, margin), "cover": 0.95}}
+
+
+@functools.cache
+def _evidence() -> dict:
+    """Figures derived from benchmarks, with their provenance (``autofit/evaluators/evidence.json``)."""
+    import json
+    from importlib.resources import files
+
+    return json.loads(files("autofit.evaluators").joinpath("evidence.json").read_text())
 
 
 def nccl_bytes(world_size: int) -> int:
@@ -61,7 +99,15 @@ def reserved_bytes(peak_allocated: int, kind: str = "cuda") -> int:
     if kind == "cpu":
         return int(peak_allocated)
     rounded = -(-peak_allocated // (2 * MiB)) * (2 * MiB)
-    return int(rounded * (1 + ALLOCATOR_FRAGMENTATION))
+    return int(rounded * (1 + allocator_fragmentation()))
+
+
+def allocator_fragmentation() -> float:
+    """(reserved - allocated) / allocated at the peak of a step, as the simulator's replays of
+    traced steps through the allocator model give it (median over the published runs'
+    plans; ``evidence.json``, written by ``benchmarks/published_runs.py --write-evidence``).
+    The analytic evaluator has no allocation sequence to replay, so it takes this figure."""
+    return float(_evidence()["allocator_fragmentation"]["value"])
 
 
 def device_total(peak_reserved: int, world_size: int, kind: str = "cuda") -> int:
@@ -71,12 +117,15 @@ def device_total(peak_reserved: int, world_size: int, kind: str = "cuda") -> int
     return peak_reserved + CUDA_CONTEXT_BYTES + nccl_bytes(world_size)
 
 
-def on_device(components: dict[str, int], cluster: ClusterSpec, host: float, kind: str = "cuda") -> MemoryAnatomy:
+def on_device(
+    components: dict[str, int], cluster: ClusterSpec, host: float, kind: str = "cuda", reserved: int | None = None
+) -> MemoryAnatomy:
     """The anatomy of a rank from its six tensor components at the peak: the caching
-    allocator's pool and the device's context on top, and ``host`` (offloaded bytes per
-    rank) plus each process's own host memory, per node."""
+    allocator's pool (``reserved`` where a replay gave it, else :func:`reserved_bytes`) and
+    the device's context on top, and ``host`` (offloaded bytes per rank) plus each process's
+    own host memory, per node."""
     peak_allocated = sum(components[c] for c in TENSOR_COMPONENTS)
-    peak_reserved = reserved_bytes(peak_allocated, kind)
+    peak_reserved = reserved_bytes(peak_allocated, kind) if reserved is None else max(int(reserved), peak_allocated)
     total = device_total(peak_reserved, cluster.world_size, kind)
     return MemoryAnatomy(
         **{c: components[c] for c in TENSOR_COMPONENTS},

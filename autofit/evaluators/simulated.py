@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.evaluators import costs
+from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
@@ -50,6 +52,7 @@ class TraceKey:
     method: str
     lora_rank: int | None
     lora_targets: str
+    lora_dropout: float
     precision: str
     optimizer: str
     micro_batch: int
@@ -70,6 +73,7 @@ class TraceKey:
             method=plan.method.value,
             lora_rank=plan.lora_rank,
             lora_targets=plan.lora_targets.value,
+            lora_dropout=plan.lora_dropout,
             precision=plan.precision.value,
             optimizer=plan.optimizer.value,
             micro_batch=plan.micro_batch,
@@ -343,6 +347,7 @@ class Trace:
     micro_batches: int
     seconds: float  # wall time of the trace
     timings: dict[str, Any] = field(default_factory=dict)
+    replays: dict[tuple, Replay] = field(default_factory=dict)  # allocator replays (simulated.reserved)
 
 
 def _dtype_class(dtype) -> str:
@@ -733,7 +738,9 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     return RankMemory({k: int(v) for k, v in (best or {}).items()}, best_phase, best_event)
 
 
-def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
+def anatomy(trace: Trace, plan: Plan, ctx: Target, alloc: AllocatorConfig | None = None) -> tuple[MemoryAnatomy, str]:
+    """The rank's anatomy: the traced components at the peak, and on a CUDA target the cuBLAS
+    workspaces and the caching allocator's pool replayed from the trace (:func:`reserved`)."""
     rm = rank_memory(trace, plan, ctx)
     comp = {k: rm.components.get(k, 0) for k in TENSOR_COMPONENTS}
     host = 0.0
@@ -741,9 +748,49 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target) -> tuple[MemoryAnatomy, str]:
         sb = costs.state_bytes(ctx.model, plan)
         st = costs.shard_states(plan, ctx.model, ctx.cluster, sb, 0.0, 0.0, 0.0)
         host = st.host
-    # judged as on a CUDA device whatever the target (the CPU target too): what the
-    # simulator has always done; the analytic evaluator passes the target's kind
-    return costs.on_device(comp, ctx.cluster, host, "cuda"), rm.phase
+    if ctx.cluster.gpu.kind != "cuda":
+        # judged as on a CUDA device whatever the target (the CPU target too): what the
+        # simulator has always done; the analytic evaluator passes the target's kind
+        return costs.on_device(comp, ctx.cluster, host, "cuda"), rm.phase
+    workspaces = _workspaces(ctx.cluster.gpu)
+    comp["temporary"] += sum(workspaces)  # counted by max_memory_allocated (costs.cublas_workspace_bytes)
+    allocated = sum(comp.values())
+    pool = reserved(trace, workspaces, allocated, ctx, alloc or AllocatorConfig())
+    return costs.on_device(comp, ctx.cluster, host, "cuda", reserved=pool), rm.phase
+
+
+def _workspaces(gpu: GPUSpec) -> tuple[int, ...]:
+    return (costs.cublas_workspace_bytes(gpu.compute_capability),) * costs.CUBLAS_HANDLES
+
+
+def reserved(trace: Trace, workspaces: tuple[int, ...], allocated: int, ctx: Target, config: AllocatorConfig) -> int:
+    """``max_memory_reserved`` of the rank: the trace's allocations and frees replayed through
+    the model of PyTorch's caching allocator (``allocator.replay``), the workspaces first.
+
+    A plain rank is the traced process: its replay is its pool. A sharded rank holds other
+    state sizes than the traced module, so it keeps the replay's gap between reserved and
+    allocated (the cache that activations and temporaries leave) over its own allocated
+    bytes. When the unconstrained pool would not fit the budget, the log is replayed again
+    under it, as the allocator frees its cache and retries before it raises (malloc's
+    ``release_cached_blocks`` fallback): a plan that fits only that way fits.
+    """
+    rep = _replay(trace, workspaces, config, None)
+    pool = allocated + max(0, rep.peak_reserved - rep.peak_allocated)
+    room = ctx.budget_bytes - costs.device_total(0, ctx.cluster.world_size)
+    if pool > room >= allocated and rep.peak_allocated == allocated:
+        tight = _replay(trace, workspaces, config, room)
+        if tight.oom is None:
+            pool = tight.peak_reserved
+    return pool
+
+
+def _replay(trace: Trace, workspaces: tuple[int, ...], config: AllocatorConfig, capacity: int | None) -> Replay:
+    key = (workspaces, config, capacity)
+    cached = trace.replays.get(key)
+    if cached is None:
+        log = itertools.chain(((-1 - i, w) for i, w in enumerate(workspaces)), trace.log)
+        cached = trace.replays[key] = replay(log, config, capacity)
+    return cached
 
 
 def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
@@ -793,10 +840,11 @@ class SimulatedEvaluator(Evaluator):
     def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         t0 = time.perf_counter()
         target = TraceDevice.of(ctx.cluster.gpu)
+        alloc = AllocatorConfig.from_env()  # PYTORCH_CUDA_ALLOC_CONF: a bad value is the user's error, raised
         hits = self.cache.hits
         try:
             trace = self.cache.get(ctx.model, plan, ctx.workload, target)
-            mem, phase = anatomy(trace, plan, ctx)
+            mem, phase = anatomy(trace, plan, ctx, alloc)
             tput = throughput(trace, plan, ctx)
         except Exception as exc:  # noqa: BLE001 - a plan that cannot be traced is a failed trial
             return TrialResult(
@@ -807,7 +855,8 @@ class SimulatedEvaluator(Evaluator):
                 reason=_last_line(exc),
                 duration_s=time.perf_counter() - t0,
             )
-        status, reason = judge(mem, ctx)
+        margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
+        status, reason = judge(mem, ctx, margin)
         return TrialResult(
             plan=plan,
             status=status,
@@ -827,6 +876,8 @@ class SimulatedEvaluator(Evaluator):
                 },
                 "target_kernels": f"{target.kind}"
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
+                **costs.fit_margin_extra(margin, mem),
+                **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )
 

@@ -83,6 +83,18 @@ Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()
 """
 
 
+def _allocator_note() -> str:
+    """The caching-allocator setting the memory figures assumed (the simulator replays its
+    allocations through PyTorch's allocator with it): the environment of this export."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if conf:
+        return f"- Memory was estimated with `PYTORCH_CUDA_ALLOC_CONF={conf}`: launch with the same setting."
+    return (
+        "- Memory was estimated with PyTorch's default caching allocator (`PYTORCH_CUDA_ALLOC_CONF` unset): "
+        "another setting (e.g. `expandable_segments:True`) changes the reserved memory."
+    )
+
+
 def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     m, c, w = ctx.model, ctx.cluster, ctx.workload
     kind = distributed_type(plan, ctx)
@@ -109,6 +121,7 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if c.nodes > 1:
         before.append("- On node i, add `--machine_rank i --main_process_ip <address of node 0>` to the command.")
     before += [f"- {n[0].upper()}{n[1:]}." for n in args["notes"]]
+    before.append(_allocator_note())
     data = args["data"]
     before.append(
         f"- Batches: `{data['data_collator']}` with {json.dumps(data['data_collator_kwargs'])}, "

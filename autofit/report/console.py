@@ -13,7 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from autofit.results import COMPONENTS, TrialResult
+from autofit.results import COMPONENTS, TrialResult, fit_margin_of
 from autofit.specs import GPUSpec, ModelSpec, Target
 from autofit.specs.units import GiB
 
@@ -70,11 +70,13 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     console.print(anatomy_table(result))
     m = result.memory
     budget = ctx.budget_bytes
-    margin = budget - m.device_total
+    safety = fit_margin_of(result)
+    spare = budget - m.device_total - safety
     if result.fits:
+        with_margin = f" with a 95% margin of {gib(safety)} GiB" if safety else ""
         console.print(
-            f"[green]fits[/green]: {gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU "
-            f"({gib(margin)} GiB to spare under the {ctx.headroom:.0%} headroom)"
+            f"[green]fits[/green]{with_margin}: {gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU "
+            f"({gib(spare)} GiB to spare under the {ctx.headroom:.0%} headroom)"
         )
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
@@ -404,9 +406,15 @@ def winner_line(best: TrialResult, ctx: Target) -> str:
     t, m = best.throughput, best.memory
     return (
         f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
-        f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)}) · "
-        f"{m.bottleneck}"
+        f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)})"
+        f"{margin_text(best)} · {m.bottleneck}"
     )
+
+
+def margin_text(result: TrialResult) -> str:
+    """ ", fits with a 95% margin of X GiB" where the fit was judged with an estimator's margin."""
+    safety = fit_margin_of(result)
+    return f", fits with a 95% margin of {gib(safety)} GiB" if safety else ""
 
 
 def methods_table(standing, allowed_methods: Iterable[str]) -> Table:

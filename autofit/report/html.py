@@ -205,7 +205,7 @@ def _header(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
 
 def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
     """The answer: the winner, or why there is none (no evaluations yet, or nothing fits)."""
-    from autofit.report.console import why
+    from autofit.report.console import margin_text, why
 
     best = standing.best
     if best is not None:
@@ -214,7 +214,8 @@ def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
             f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
             f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
             f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
-            f"(budget {_gib(ctx.budget_bytes)}) · {_e(m.bottleneck)} · evaluated by {_e(best.evaluator)} · "
+            f"(budget {_gib(ctx.budget_bytes)}){_e(margin_text(best))} · {_e(m.bottleneck)} · "
+            f"evaluated by {_e(best.evaluator)} · "
             f"plan {_e(best.plan.plan_id)}</p>"
         ]
     if not trials:

@@ -59,6 +59,7 @@ class Allowed:
     precisions: tuple[Precision, ...] = ()  # empty: the GPU's mixed precision
     lora_ranks: tuple[int, ...] = (16,)
     lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
+    lora_dropout: float = 0.0  # the user's, for every LoRA/QLoRA plan (never searched)
 
     @classmethod
     def parse(
@@ -67,8 +68,13 @@ class Allowed:
         optimizers: str | None = None,
         precisions: str | None = None,
         lora_ranks: str | None = None,
+        lora_dropout: float | None = None,
     ) -> Allowed:
         kw: dict[str, Any] = {}
+        if lora_dropout is not None:
+            if not 0.0 <= lora_dropout < 1.0:
+                raise SpecError(f"--lora-dropout {lora_dropout!r}: give a probability in [0, 1), e.g. 0.05")
+            kw["lora_dropout"] = float(lora_dropout)
         for key, text, enum in (
             ("methods", methods, Method),
             ("optimizers", optimizers, Optimizer),
@@ -94,6 +100,8 @@ class Allowed:
             "precisions": [p.value for p in self.precisions],
             "lora_ranks": list(self.lora_ranks),
             "lora_targets": [self.lora_targets.value],
+            # left out at peft's default, so stored requests keep their keys
+            **({"lora_dropout": self.lora_dropout} if self.lora_dropout else {}),
         }
 
     @classmethod
@@ -107,6 +115,7 @@ class Allowed:
             precisions=tuple(Precision(p) for p in d.get("precisions") or ()),
             lora_ranks=tuple(int(r) for r in d.get("lora_ranks") or ()) or default.lora_ranks,
             lora_targets=LoraTargets((d.get("lora_targets") or [default.lora_targets.value])[0]),
+            lora_dropout=float(d.get("lora_dropout") or 0.0),
         )
 
 
@@ -205,6 +214,7 @@ class SearchSpace:
         if method is not Method.FULL:
             kw["lora_rank"] = int(trial.suggest_categorical("lora_rank", list(a.lora_ranks)))
             kw["lora_targets"] = a.lora_targets
+            kw["lora_dropout"] = a.lora_dropout
         precs = [p for p in self.precisions() if method is not Method.QLORA or p is not Precision.FP32]
         precision = Precision(
             trial.suggest_categorical(

@@ -36,6 +36,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "optimizers": (str, list),
     "precisions": (str, list),
     "lora_ranks": (str, int, list),
+    "lora_dropout": (float, int),
     "evaluator": (str,),
     "backend": (str,),  # the earlier name of "evaluator", still read
     "trials": (int,),
