@@ -214,19 +214,17 @@ def winner(results: Iterable[TrialResult]) -> TrialResult | None:
     return best[0] if best else None
 
 
-def judge(memory: MemoryAnatomy, ctx: Target, margin: float = 0.0) -> tuple[Status, str]:
-    """Fits when ``device_total × (1 + margin) <= capacity × (1 - headroom)`` and the host has room.
+def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
+    """Fits when ``device_total <= capacity × (1 - headroom)`` and the host has room.
 
-    ``margin``: the estimator's 95% error margin on real GPUs (``evaluators.costs.fit_margin``;
-    0 for a measurement): a predicted plan fits only if it still fits when it errs that much.
+    An estimate's 95% margin on real GPUs is reported beside the decision, not in it
+    (``evaluators.costs.fit_margin_extra``; docs/EVALUATORS.md says why).
     """
     budget = ctx.budget_bytes
-    need = memory.device_total + margin_bytes(memory, margin)
-    if need > budget:
-        over = need - budget
-        with_margin = f" with a {margin:.0%} margin" if margin else ""
+    if memory.device_total > budget:
+        over = memory.device_total - budget
         return Status.OOM, (
-            f"needs {need / 2**30:.2f} GiB per GPU{with_margin}, {over / 2**30:.2f} GiB over the "
+            f"needs {memory.device_total / 2**30:.2f} GiB per GPU, {over / 2**30:.2f} GiB over the "
             f"{budget / 2**30:.2f} GiB budget ({ctx.cluster.gpu.name}, {ctx.headroom:.0%} headroom); "
             f"{memory.bottleneck}"
         )
@@ -243,9 +241,10 @@ def margin_bytes(memory: MemoryAnatomy, margin: float) -> int:
     return int(memory.device_total * margin)
 
 
-def fit_margin_of(result: TrialResult) -> int:
-    """The margin in bytes a result's fit was judged with (0: none, as for a measurement)."""
-    return int((result.extra or {}).get("fit_margin", {}).get("bytes", 0))
+def fit_margin_of(result: TrialResult) -> dict[str, Any]:
+    """The 95% margin an estimate carries (``{}`` for a measurement or the CPU target):
+    ``fraction``, ``bytes`` and whether the plan still fits with it (``fits_with_margin``)."""
+    return dict((result.extra or {}).get("fit_margin") or {})
 
 
 def bottleneck(components: dict[str, float]) -> str:

@@ -388,13 +388,22 @@ def estimate(case: Case, evaluator: str) -> dict[str, Any]:
     }
 
 
+def reuse(cases: list[Case], path: str) -> None:
+    """Take the estimates of an earlier run's JSON for the rows it expressed the same way."""
+    earlier = {r["id"]: r for r in json.loads(Path(path).read_text())["rows"]}
+    for c in cases:
+        old = earlier.get(c.id)
+        if old and not c.out and old["request"] == json.loads(json.dumps(_jsonable(c.request))):
+            c.predicted.update(old["predicted"])
+
+
 def _run(args: tuple[Case, str]) -> tuple[int, str, dict[str, Any]]:
     case, evaluator = args
     return case.id, evaluator, estimate(case, evaluator)
 
 
 def run_all(cases: list[Case], evaluators: list[str], jobs: int) -> None:
-    todo = [(c, e) for e in evaluators for c in cases if not c.out]
+    todo = [(c, e) for e in evaluators for c in cases if not c.out and e not in c.predicted]
     by_id = {c.id: c for c in cases}
     done = 0
     if jobs > 1:
@@ -497,6 +506,12 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: every memory row)")
     ap.add_argument("--out", default="", help="write the markdown report here (and FILE.json beside it)")
     ap.add_argument(
+        "--reuse",
+        action="append",
+        default=[],
+        help="a FILE.json of an earlier run: its estimates are taken as they are (repeatable)",
+    )
+    ap.add_argument(
         "--write-evidence",
         action="store_true",
         help="store the 95%% fit margins and the allocator fragmentation in autofit/evaluators/evidence.json",
@@ -506,6 +521,8 @@ def main() -> None:
     rows = list(csv.DictReader(open(CSV, encoding="utf-8")))
     wanted = {int(x) for x in args.rows.split(",") if x}
     cases = [c for r in rows if (c := to_case(r)) is not None and (not wanted or c.id in wanted)]
+    for path in args.reuse:
+        reuse(cases, path)
     t0 = time.perf_counter()
     run_all(cases, evaluators, args.jobs)
     took = time.perf_counter() - t0
@@ -516,6 +533,7 @@ def main() -> None:
         "",
         f"`python benchmarks/published_runs.py --evaluators {','.join(evaluators)}`: {len(cases)} memory rows, "
         f"{len(cases) - len(out_rows)} expressed, {len(out_rows)} out; {took:.0f} s on {os.cpu_count()} cores.",
+        *(f"Estimates taken as they were from an earlier run: {p}." for p in args.reuse),
         "error = predicted / measured - 1 on the row's metric (A allocated, R reserved, N nvidia-smi).",
         "",
         *lines,

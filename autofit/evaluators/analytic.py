@@ -9,10 +9,14 @@ activations on every use), RoPE'd q/k, the attention kernel's saved q/k/v/out/lo
 activation, up and product, and LayerNorm/dropout for GPT-2 and BERT. Frozen weights
 save nothing of their input; LoRA adapters save their input and the rank-wide middle.
 
-Two block shapes are modelled, chosen by the family's fields (``specs.models.Family``):
-the RoPE block of llama and its relatives (RMSNorm, gated MLP, no dropout; Gemma-2's
-sandwich norms) and the learned-position block of GPT-2 and BERT (LayerNorm, dropout,
-plain GELU MLP; BERT's norms after the residual adds).
+Three attention halves are modelled, chosen by the family's fields
+(``specs.models.Family``): the RoPE block of llama and its relatives (RMSNorm or
+LayerNorm; partial rotary concatenates q and k, so the kernel's output is copied for the
+output projection), the learned-position block of GPT-2 and BERT (LayerNorm, dropout;
+BERT's norms after the residual adds) and BLOOM's ALiBi block (its own eager attention
+over copied q/k/v). The MLP half is gated (SwiGLU/GeGLU; Gemma-2's sandwich norms) or
+plain (fc, GELU, fc), in sequence after attention or in parallel off the block input
+(phi: the attention's own norm; gpt_neox: a second norm of the same input).
 
 The peak is the largest of several moments of a steady-state step (loss backward, the
 last block's backward, the end of backward, the optimizer step, ...), and the breakdown
@@ -55,7 +59,7 @@ def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabilit
     grouped KV heads as they are only without a mask (it repeats them otherwise).
     """
     if cpu:
-        return "math" if model.family.dropout else "flash"
+        return "math" if "attention" in model.dropouts else "flash"
     gqa = model.kv_dim < model.q_dim and not masked
     return costs.cuda_sdpa_kernel(capability, costs.compute_dtype(plan), model.head_dim, masked, gqa)
 
@@ -71,6 +75,7 @@ class _Saves:
     def __init__(self, model: ModelSpec, plan: Plan, cpu: bool) -> None:
         lay = dtype_layout(plan)
         self.f, self.plan, self.cpu = model.family, plan, cpu
+        self.drop = model.dropouts
         self.r, self.c = lay.base_bytes, lay.compute_bytes  # residual stream, matmul dtype
         self.h = model.hidden_size
         self.autocast = lay.autocasts
@@ -84,7 +89,9 @@ class _Saves:
         # autocast casts it back for the matmul: every adapter then saves its own copy
         self.adapter_recast = lay.autocasts and plan.is_peft
         # dropout's mask: bool on CUDA, the input dtype on the CPU
-        self.mask_bytes = (4 if lay.autocasts and plan.method is Method.FULL else self.c) if cpu else 1
+        # (the residual dropouts drop a projection's output, in the compute dtype)
+        self.mask_bytes = self.c if cpu else 1
+        self.mlp_bytes = self.c  # a plain MLP's activation dtype (``_mlp_body``)
         self.saved: dict[str, float] = {}
         self.quad = 0.0
 
@@ -101,10 +108,29 @@ class _Saves:
             self.saved[src] = width * src_bytes
         if name in self.lora:
             self.saved[name + ".lora_mid"] = self.rank * self.c
+            if self.plan.lora_dropout:
+                self._lora_dropout(name, src, width)
 
-    def norm(self, name: str, src_bytes: int) -> int:
-        """The family's norm of an input of ``src_bytes`` per element; returns its output's."""
-        return self._rms(name, src_bytes) if self.f.norm == "rmsnorm" else self._layernorm(name, src_bytes)
+    def _lora_dropout(self, name: str, src: str, width: int) -> None:
+        """peft ``lora.Linear.forward``: ``lora_B(lora_A(dropout(x)))`` with one ``nn.Dropout`` per
+        adapted Linear: each keeps its mask (bool on CUDA, the input's dtype on the CPU) and,
+        where the adapter computes in the activations' dtype, its own dropped copy for lora_A.
+        Under autocast the adapter's input is already a copy of its own (``.cast``), now dropped.
+        The mask is kept only where the input needs a gradient: block 0's first norm output
+        does not under PEFT, so the masks of its readers are keyed with the norm (``first_norm``)."""
+        in_bytes = 4 if self.adapter_recast else self.c  # the adapter's dtype: fp32 under autocast
+        prefix = "ln1." if src in ("n1", "ln1.out") else ""  # an input that is the first norm's output
+        self.saved[prefix + name + ".lora_mask"] = width * (in_bytes if self.cpu else 1)
+        if not self.adapter_recast:
+            self.saved[name + ".lora_drop"] = width * self.c
+
+    def norm(self, name: str, src_bytes: int, src: str = "") -> int:
+        """The family's norm of an input of ``src_bytes`` per element; returns its output's.
+
+        ``src``: the key of a LayerNorm input another norm saves too (gpt_neox's two norms
+        of the block input), counted once unless CUDA autocast upcasts it per norm.
+        """
+        return self._rms(name, src_bytes) if self.f.norm == "rmsnorm" else self._layernorm(name, src_bytes, src)
 
     def _rms(self, name: str, src_bytes: int) -> int:
         self.saved[name + ".x32"] = 4 * self.h  # fp32 upcast of the input (the input itself if fp32)
@@ -113,23 +139,31 @@ class _Saves:
             self.saved[name + ".z"] = (4 if self.f.norm_scales_in_fp32 else src_bytes) * self.h
         return src_bytes
 
-    def _layernorm(self, name: str, src_bytes: int) -> int:
+    def _layernorm(self, name: str, src_bytes: int, src: str = "") -> int:
         in_bytes = 4 if self.cuda_autocast else src_bytes  # CUDA autocast runs layer_norm in fp32
-        self.saved[name + ".in"] = in_bytes * self.h
-        self.saved[name + ".stats"] = 8
+        key = src if src and in_bytes == src_bytes else name + ".in"
+        self.saved[key] = in_bytes * self.h
+        # mean and rstd: fp32 on CUDA, the input's dtype on the CPU
+        self.saved[name + ".stats"] = 2 * in_bytes if self.cpu else 8
         return in_bytes
 
     def dropout_mask(self, name: str) -> None:
-        if self.f.dropout:
+        if "residual" in self.drop:
             self.saved[name + ".mask"] = self.h * self.mask_bytes
 
 
-def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> None:
-    """The llama-like attention half: norm, q/k/v, RoPE'd q and k, the kernel's saves, o_proj.
+def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> int:
+    """The llama-like attention half: norm, q/k/v, RoPE'd q and k, the kernel's saves, o_proj;
+    returns the bytes per element of the norm's output (a parallel MLP reads it too).
 
     sdpa and flash2 save q, k, v, out and the logsumexp; eager saves the softmax in fp32
-    and the probabilities in the compute dtype, s² per head; torch's math kernel (sdpa's
-    fallback) computes in fp32.
+    and the probabilities in the compute dtype, s² per head, and copies of q, k, v (not
+    the fused projection); torch's math kernel (sdpa's fallback) computes in fp32.
+    Partial rotary (phi, gpt_neox) concatenates the rotated and passed parts, so q is
+    contiguous per head, the flash kernels' output follows it, and transformers copies it
+    back to (tokens, heads·dim) for the output projection (the efficient kernel writes
+    that layout itself). That input (``o_in``) is saved by the projection, where its
+    weight or adapter needs it (``_Saves.lin``), not by the kernel.
     """
     f, plan, saved, c, h = s.f, s.plan, s.saved, s.c, s.h
     a, qd, kd = model.num_heads, model.q_dim, model.kv_dim
@@ -138,11 +172,11 @@ def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> N
     ln1 = s.norm("ln1", s.r)
     for n in f.attn_in:
         s.lin(n, "n1", ln1, h)
-    if f.fused_qkv:
+    if f.fused_qkv and gqa_repeat:  # repeated k and v are copies: the fused output is not kept
+        saved["q_rot"], saved["k_rep"], saved["v_rep"] = qd * c, qd * c, qd * c
+    elif f.fused_qkv:
         saved["qkv"] = (qd + 2 * kd) * c  # v is a view of the fused output
         saved["q_rot"], saved["k_rot"] = qd * c, kd * c
-        if gqa_repeat:
-            saved["k_rep"] = saved["v_rep"] = qd * c
     else:
         saved["q_rot"] = qd * c
         saved["k_rot"] = k_bytes
@@ -151,7 +185,9 @@ def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> N
         # softmax(dtype=fp32) saves its output; .to(compute) makes the probs the
         # matmul with v saves (no copy when computing in fp32)
         s.quad += a * (4 + (c if c != 4 else 0)) + (a * c if f.logit_softcap else 0)
-        saved["o_in"] = qd * c
+        if f.fused_qkv and not gqa_repeat:  # the matmul copies v out of the fused output
+            saved.pop("qkv")
+            saved["v"] = kd * c
         attn_out = "o_in"
     elif kernel == "math":
         # torch's math kernel computes in fp32 (it upcasts 16-bit): the scaled q and
@@ -165,14 +201,36 @@ def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> N
         if not keep_fused:
             saved["math.v"] = qd * 4
         s.quad += a * 4
-        saved["o_in"] = qd * c
         attn_out = "o_in"
     else:
         saved["out"], saved["lse"] = qd * c, 4 * a
         attn_out = "out"
         if masked and plan.attention is Attention.SDPA:  # the additive mask the kernel saves
             s.quad += c
+        if f.rotary_key and kernel != "efficient":  # partial rotary: the output is copied
+            attn_out = "o_in"
     s.lin(f.attn_out, attn_out, c, qd)
+    s.dropout_mask("attn.resid")
+    return ln1
+
+
+def _alibi_attention(s: _Saves, model: ModelSpec) -> None:
+    """BLOOM's attention half: its own eager attention over the fused projection.
+
+    q, k and v are reshaped out of the fused output into contiguous per-head copies that
+    baddbmm (with the ALiBi bias, which it does not save) and bmm save, cast to the compute
+    dtype under autocast; the softmax is saved in fp32 and the probabilities in the compute
+    dtype (s² per head); the heads are merged into a copy for the output projection.
+    """
+    f, saved, c, h = s.f, s.saved, s.c, s.h
+    a, qd, kd = model.num_heads, model.q_dim, model.kv_dim
+    ln1 = s.norm("ln1", s.r)
+    for n in f.attn_in:
+        s.lin(n, "ln1.out", ln1, h)
+    saved["q"], saved["k"], saved["v"] = qd * c, kd * c, kd * c
+    s.quad += a * (4 + (c if c != 4 else 0))
+    s.lin(f.attn_out, "o_in", c, qd)
+    s.dropout_mask("attn.resid")
 
 
 def _learned_position_attention(s: _Saves, model: ModelSpec, masked: bool) -> None:
@@ -233,36 +291,60 @@ def _gated_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
 
 
 def _plain_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
-    """The GPT-2/BERT MLP half (with BERT's post-attention norm, which feeds it); returns
-    the names as ``_gated_mlp`` does."""
-    f, saved, c, h = s.f, s.saved, s.c, s.h
-    inter = model.intermediate_size
-    if f.norm_position == "pre":  # GPT-2
+    """The GPT-2/BERT/BLOOM MLP half after attention (with BERT's post-attention norm,
+    which feeds it); returns the names as ``_gated_mlp`` does."""
+    if s.f.norm_position == "pre":  # GPT-2
         src, src_bytes = "ln2.out", s.norm("ln2", s.r)
     else:  # BERT
         src, src_bytes = "x1", s.norm("ln_attn", s.r)
+    names = _mlp_body(s, model, src, src_bytes)
+    if s.f.norm_position == "post":
+        s.norm("ln_out", s.r)
+    return names
+
+
+def _parallel_mlp(s: _Saves, model: ModelSpec, ln1_bytes: int) -> tuple[str, str, str]:
+    """The MLP half of a parallel block, which reads the block input as attention does:
+    through attention's own norm (phi: one norm per layer; its output is saved once) or a
+    second norm of the same input (gpt_neox: the input is saved once, the stats twice)."""
+    if s.f.norms_per_layer == 1:
+        return _mlp_body(s, model, "n1", ln1_bytes)
+    return _mlp_body(s, model, "ln1.mlp.out", s.norm("ln1.mlp", s.r, src="ln1.in"))
+
+
+def _mlp_body(s: _Saves, model: ModelSpec, src: str, src_bytes: int) -> tuple[str, str, str]:
+    """fc -> GELU -> fc from the normed input ``src`` and the residual dropout; returns the
+    names as ``_gated_mlp`` does."""
+    f, saved, c, h = s.f, s.saved, s.c, s.h
+    inter = model.intermediate_size
     for n in f.mlp_in:
         s.lin(n, src, src_bytes, h)
+    # bitsandbytes' 4-bit Linear returns its input's dtype: after a LayerNorm CUDA autocast
+    # ran in fp32, a QLoRA MLP's activation runs in fp32 too
+    fc = s.mlp_bytes = src_bytes if s.plan.method is Method.QLORA else c
     if f.activation == "gelu_new":
         if s.cuda_autocast:
             # CUDA autocast runs pow in fp32: pow saves its fp32 input, tanh and 1+tanh
             # are fp32, 0.5x stays 16-bit, and the fp32 product is recast for c_proj
             saved["gelu.x32"], saved["gelu.tanh"], saved["gelu.onep"] = (inter * 4,) * 3
-            saved["gelu.half"] = inter * c
+            saved["gelu.half"] = inter * fc
             s.lin(f.mlp_out, "gelu.out", 4, inter)
         else:
             # NewGELU is written in Python ops: x, tanh(...), 0.5x and 1+tanh are saved
-            saved["fc"], saved["gelu.tanh"], saved["gelu.half"], saved["gelu.onep"] = (inter * c,) * 4
-            s.lin(f.mlp_out, "gelu.out", c, inter)
-            if f.mlp_out in s.lora or s.full:
-                saved["gelu.out"] = inter * c
+            saved["fc"], saved["gelu.tanh"], saved["gelu.half"], saved["gelu.onep"] = (inter * fc,) * 4
+            s.lin(f.mlp_out, "gelu.out", fc, inter)
     else:
-        saved["fc"] = inter * c  # exact GELU saves its input
-        s.lin(f.mlp_out, "gelu.out", c, inter)
-    if f.norm_position == "post":
-        s.norm("ln_out", s.r)
+        saved["fc"] = inter * fc  # exact GELU (and BLOOM's GELU Function) saves its input
+        s.lin(f.mlp_out, "gelu.out", fc, inter)
     s.dropout_mask("mlp.resid")
     return f.mlp_out, "gelu.out", src
+
+
+# inter-wide tensors a plain MLP's activation holds at the height of its backward, net of
+# the down projection's input (freed by then): exact GELU its gradient in and out;
+# gelu_new one more (a chain of Python ops); BLOOM's GELU Function recomputes tanh and its
+# derivative in Python ops (measured on the CPU)
+_PLAIN_MLP_BACKWARD = {"gelu": 1, "gelu_new": 2, "bloom_gelu": 6}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -281,12 +363,20 @@ def block_activations(
     s = _Saves(model, plan, cpu)
     rope = f.positions == "rope"
     kernel = sdpa_kernel(model, plan, masked, cpu, capability) if plan.attention is Attention.SDPA else ""
+    ln1 = s.r
     if rope:
-        _rope_attention(s, model, masked, kernel)
+        ln1 = _rope_attention(s, model, masked, kernel)
+    elif f.positions == "alibi":
+        _alibi_attention(s, model)
     else:
         _learned_position_attention(s, model, masked)
     before_mlp = s.total()
-    down, prod, norm_out = _gated_mlp(s, model) if f.gated_mlp else _plain_mlp(s, model)
+    if f.gated_mlp:
+        down, prod, norm_out = _gated_mlp(s, model)
+    elif f.parallel_residual:
+        down, prod, norm_out = _parallel_mlp(s, model, ln1)
+    else:
+        down, prod, norm_out = _plain_mlp(s, model)
     return _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
 
 
@@ -296,28 +386,36 @@ def _block_summary(
     """The block's saves and the transients around them (measured on the CPU)."""
     f, plan, saved, r, c, h = s.f, s.plan, s.saved, s.r, s.c, s.h
     inter, a = model.intermediate_size, model.num_heads
-    bwd_tok = 2 * inter * c + 8 * h  # the MLP's gradients while it runs backward
+    # the MLP's gradients while it runs backward: a gated MLP's gate and up gradients; a
+    # plain MLP's activation backward (``_PLAIN_MLP_BACKWARD``)
+    bwd_tok = 2 * inter * c + 8 * h if f.gated_mlp else _PLAIN_MLP_BACKWARD[f.activation] * inter * s.mlp_bytes + h * c
     # while the MLP's down projection runs forward: the residual kept for the block's last
-    # add, the norm's output and the product when nothing saves them, the projection's
+    # add (a parallel block keeps attention's output instead: its residual is the block
+    # input), the norm's output and the product when nothing saves them, the projection's
     # output, and PEFT's fp32 copy of its input under autocast (not modelled for post-norm)
     mlp_fwd_tok = 0.0
     if f.norm_position != "post":
         mlp_fwd_tok = (
-            h * r
+            h * (c if f.parallel_residual else r)
             + (0.0 if norm_out in saved else h * c)
             + h * c
             + (0.0 if prod in saved else inter * c)
             + (inter * 4 if s.adapter_recast and down in s.lora else 0.0)
+            # ... and, with LoRA dropout, the dropped fp32 copy beside it (peft's dropout output)
+            + (inter * 4 if s.adapter_recast and down in s.lora and plan.lora_dropout else 0.0)
         )
     eager = plan.attention is Attention.EAGER
     # softmax backward holds the fp32 gradient in and out (+ part of a 16-bit cast),
     # once the MLP's saved tensors of the block are already freed (measured on the CPU)
     attn_bwd_quad = a * (8 + (0.5 if c != 4 else 0)) if eager else (a * 8 if math else 0.0)
-    fwd_quad = a * c if eager else (a * 4 if math else 0.0)  # the scores before softmax
+    # the scores before softmax (BLOOM's baddbmm output stays referenced beside the masked
+    # scores), and softmax(dtype=fp32)'s upcast of a 16-bit input
+    scores = 2 if f.positions == "alibi" else 1
+    fwd_quad = a * (scores * c + (4 if c != 4 else 0)) if eager else (a * 4 if math else 0.0)
     first_norm = sum(v for k, v in saved.items() if k.startswith("ln1."))
     total = s.total()
-    probs_quad = a * c if eager and c != 4 and f.positions == "rope" else 0.0
-    attn_freed = saved.get("o_in", 0.0)
+    probs_quad = a * c if eager and c != 4 and f.positions != "learned" else 0.0
+    attn_freed = saved.get("o_in", 0.0) + saved.get(f.attn_out + ".cast", 0.0)
     return _Block(
         total,
         s.quad,
@@ -333,27 +431,33 @@ def _block_summary(
 
 
 @functools.lru_cache(maxsize=4096)
-def _head_activations(model: ModelSpec, plan: Plan) -> float:
-    """Bytes per token saved outside the blocks: embeddings, final norm, the head's input."""
+def _head_activations(model: ModelSpec, plan: Plan, cpu: bool = False) -> float:
+    """Bytes per token saved outside the blocks: embeddings, final norm, the head's input.
+
+    ``cpu``: CPU autocast leaves layer_norm in the input's dtype and keeps its statistics
+    in it (CUDA: an fp32 upcast and fp32 statistics).
+    """
     f, lay = model.family, dtype_layout(plan)
     r, c, h = lay.base_bytes, lay.compute_bytes, model.hidden_size
     autocast = lay.autocasts
     full = plan.method is Method.FULL
+    ln_in = 4 if autocast and not cpu else r  # a LayerNorm's saved input, and its output
+    ln_stats = 2 * ln_in if cpu else 8
     n = 0.0
-    if f.dropout:
+    if "embedding" in model.dropouts:
         n += h  # embedding dropout mask
-    if f.embed_norm:
-        n += (4 if autocast else r) * h + 8  # embedding LayerNorm input
+    if f.embed_norm and full:  # embedding LayerNorm input (frozen embeddings and norm save nothing)
+        n += ln_in * h + ln_stats
     if f.task == "masked-lm":
         if full:  # MLM transform: dense input, GELU input, LayerNorm input
             n += r * h + c * h + (4 if autocast else c) * h + 8
         head_in = c
     elif f.norm == "rmsnorm":
-        n += 4 * h + 4 + (r * h if full else 0)
+        n += 4 * h + 4 + ((4 if f.norm_scales_in_fp32 else r) * h if full else 0)
         head_in = r
     else:
-        n += (4 if autocast else r) * h + 8
-        head_in = 4 if autocast else r
+        n += ln_in * h + ln_stats
+        head_in = ln_in
     if full and not (autocast and head_in != c):  # the head's weight grad needs its input
         n += head_in * h  # (under autocast the head's cast copy is made in the logits region)
     return n
@@ -456,11 +560,9 @@ def _activations(
     lay = dtype_layout(plan)
     L, c = model.num_layers, lay.compute_bytes
     block_bytes = t_mem * (blk.tok + s * blk.quad)
-    # RoPE's cos and sin, [1, positions, head_dim] each, shared by all blocks
-    rope = (
-        2 * (t_mem if plan.packing else s) * model.head_dim * lay.base_bytes if model.family.positions == "rope" else 0
-    )
-    head = t_mem * _head_activations(model, plan)
+    # RoPE's cos and sin, [1, positions, rotary dims] each, shared by all blocks
+    rope = 2 * (t_mem if plan.packing else s) * model.rotary_dim * lay.base_bytes
+    head = t_mem * _head_activations(model, plan, ctx.cluster.gpu.kind == "cpu")
     if plan.checkpointing is Checkpointing.FULL:
         saved_blocks = L * t_mem * lay.base_bytes * model.hidden_size  # each block's input
         recompute = block_bytes  # one block's activations while it runs backward
@@ -474,6 +576,9 @@ def _activations(
     bwd_temp = t_mem * blk.bwd_tok
     attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
     fwd_temp = t_mem * s * blk.fwd_quad
+    if plan.checkpointing is Checkpointing.FULL:
+        # a checkpointed forward saves nothing: what the attention half would save is transient
+        fwd_temp += block_bytes - t_mem * blk.mlp_tok
     if plan.method is Method.QLORA:  # one Linear dequantized to the compute dtype at a time
         dequant = max(i * o for _, i, o, _ in model.linears()) * c
         bwd_temp += dequant  # MatMul4Bit's backward always dequantizes
@@ -586,6 +691,11 @@ def _moments(
 
 def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, dict[str, float]]:
     st = ms.st
+    in_forward = act.saved - act.head
+    mlp_half = 0.0 if act.recompute else t_mem * blk.mlp_tok
+    fwd_acts, fwd_tmp = max(
+        (in_forward - mlp_half, act.fwd_temp), (in_forward, t_mem * blk.mlp_fwd_tok), key=lambda m: m[0] + m[1]
+    )
     return {
         "forward": {
             **states,
@@ -594,13 +704,14 @@ def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, d
             "logits": act.logits_fwd,
             "temporary": persistent_tmp,
         },
-        # the last block's forward (eager's scores, the MLP's transients): before the logits
+        # the last block's forward, before the logits: its attention (eager's scores, before
+        # its MLP saved anything; checkpointing saves no block) or its MLP's transients
         "block-forward": {
             **states,
             "gradients": st.grad_accum_present,
-            "activations": act.saved - act.head,
+            "activations": fwd_acts,
             "logits": 0.0,
-            "temporary": persistent_tmp + max(act.fwd_temp, t_mem * blk.mlp_fwd_tok),
+            "temporary": persistent_tmp + fwd_tmp,
         },
     }
 
@@ -610,6 +721,10 @@ def _backward_moments(
 ) -> dict[str, dict[str, float]]:
     st, sb = ms.st, ms.sb
     ckpt = plan.checkpointing is Checkpointing.FULL
+    # what a block's attention backward no longer holds: its MLP, o_proj input and 16-bit probs
+    freed = t_mem * (blk.mlp_tok + blk.attn_freed) + t_mem * s * blk.probs_quad
+    first_grads = st.gradients - ms.layer_trainable * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
+    first = (t_mem * dtype_layout(plan).base_bytes * model.hidden_size if ckpt else 0) + act.block + act.rope
     return {
         "loss-backward": {
             **states,
@@ -626,27 +741,30 @@ def _backward_moments(
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
         },
-        # mid-softmax-backward of the last block: its MLP, o_proj input and 16-bit probs
-        # are freed, the MLP's and o_proj's weight gradients exist
+        # mid-softmax-backward of the last block: the MLP's and o_proj's weight gradients exist
         "attention-backward": {
             **states,
             "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads),
-            "activations": in_blocks - t_mem * (blk.mlp_tok + blk.attn_freed) - t_mem * s * blk.probs_quad,
+            "activations": in_blocks - freed,
             "logits": 0.0,
             "temporary": persistent_tmp + act.attn_bwd_temp,
         },
         "first-block-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(
-                st.grad_accum_present,
-                st.gradients - ms.layer_trainable * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1),
-            ),
-            "activations": (t_mem * dtype_layout(plan).base_bytes * model.hidden_size if ckpt else 0)
-            + act.block
-            + act.rope,
+            "gradients": max(st.grad_accum_present, first_grads),
+            "activations": first,
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
+        },
+        # ... and mid-softmax-backward of the first block, every other gradient made
+        "first-block-attention-backward": {
+            **states,
+            "weights": st.weights + ms.first_block_copies,
+            "gradients": max(st.grad_accum_present, first_grads + ms.block_tail_grads),
+            "activations": first - freed,
+            "logits": 0.0,
+            "temporary": persistent_tmp + act.attn_bwd_temp,
         },
     }
 
@@ -701,13 +819,16 @@ def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.Sharde
     cluster = ctx.cluster
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
+    if cluster.gpu.kind == "cuda":  # allocated for the process's life (costs.cublas_workspace_bytes)
+        comp["temporary"] += costs.CUBLAS_HANDLES * costs.cublas_workspace_bytes(cluster.gpu.compute_capability)
     return costs.on_device(comp, cluster, st.host, cluster.gpu.kind), phase
 
 
 def estimate(plan: Plan, ctx: Target) -> Estimate:
     """The analytic anatomy and throughput of a valid plan."""
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
-    masked = workload.lengths is not None and not plan.packing
+    # a 4D mask reaches the attention kernel: padded batches, or a model that always builds it
+    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
     t_mem, s, t_time, keys = _tokens(plan, workload)
     blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
     act = _activations(model, plan, ctx, blk, masked, t_mem, s)
@@ -789,6 +910,7 @@ class AnalyticEvaluator(Evaluator):
     def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         t0 = time.perf_counter()
         est = estimate(plan, ctx)
+        margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
         status, reason = judge(est.memory, ctx)
         return TrialResult(
             plan=plan,
@@ -799,5 +921,5 @@ class AnalyticEvaluator(Evaluator):
             capacity_bytes=ctx.capacity_bytes,
             reason=reason,
             duration_s=time.perf_counter() - t0,
-            extra={"peak_phase": est.peak_phase},
+            extra={"peak_phase": est.peak_phase, **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes)},
         )

@@ -59,20 +59,29 @@ def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
 
 
 def fit_margin(evaluator: str, kind: str = "cuda") -> float:
-    """The fraction an estimator's device total is raised by before the fit decision: what
-    covers 95% of published GPU runs (``evidence.json``, written by
-    ``benchmarks/published_runs.py --write-evidence``; docs/EVALUATORS.md). The CPU target has
-    no margin: the simulator agrees with real CPU steps to the byte."""
+    """The share by which an estimator's device total must be raised to cover 95% of published
+    GPU runs (``evidence.json``, written by ``benchmarks/published_runs.py --write-evidence``;
+    docs/EVALUATORS.md). The CPU target has none: the simulator agrees with real CPU steps to
+    the byte; a measurement needs none."""
     if kind != "cuda":
         return 0.0
     return float(_evidence()["fit_margin"].get(evaluator, {}).get("margin", 0.0))
 
 
-def fit_margin_extra(margin: float, memory: MemoryAnatomy) -> dict:
-    """What a result says of the margin its fit was judged with (``TrialResult.extra``)."""
+def fit_margin_extra(margin: float, memory: MemoryAnatomy, budget: int) -> dict:
+    """What an estimate says of its 95% margin (``TrialResult.extra``): the bytes and whether
+    the plan would still fit the budget with them."""
     if not margin:
         return {}
-    return {"fit_margin": {"fraction": margin, "bytes": margin_bytes(memory, margin), "cover": 0.95}}
+    extra = margin_bytes(memory, margin)
+    return {
+        "fit_margin": {
+            "fraction": margin,
+            "bytes": extra,
+            "cover": 0.95,
+            "fits_with_margin": memory.device_total + extra <= budget,
+        }
+    }
 
 
 @functools.cache

@@ -856,7 +856,7 @@ class SimulatedEvaluator(Evaluator):
                 duration_s=time.perf_counter() - t0,
             )
         margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
-        status, reason = judge(mem, ctx, margin)
+        status, reason = judge(mem, ctx)
         return TrialResult(
             plan=plan,
             status=status,
@@ -876,7 +876,7 @@ class SimulatedEvaluator(Evaluator):
                 },
                 "target_kernels": f"{target.kind}"
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
-                **costs.fit_margin_extra(margin, mem),
+                **costs.fit_margin_extra(margin, mem, ctx.budget_bytes),
                 **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )

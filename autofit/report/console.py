@@ -70,13 +70,11 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     console.print(anatomy_table(result))
     m = result.memory
     budget = ctx.budget_bytes
-    safety = fit_margin_of(result)
-    spare = budget - m.device_total - safety
+    spare = budget - m.device_total
     if result.fits:
-        with_margin = f" with a 95% margin of {gib(safety)} GiB" if safety else ""
         console.print(
-            f"[green]fits[/green]{with_margin}: {gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU "
-            f"({gib(spare)} GiB to spare under the {ctx.headroom:.0%} headroom)"
+            f"[green]fits[/green]: {gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU "
+            f"({gib(spare)} GiB to spare under the {ctx.headroom:.0%} headroom){margin_text(result)}"
         )
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
@@ -412,9 +410,12 @@ def winner_line(best: TrialResult, ctx: Target) -> str:
 
 
 def margin_text(result: TrialResult) -> str:
-    """ ", fits with a 95% margin of X GiB" where the fit was judged with an estimator's margin."""
-    safety = fit_margin_of(result)
-    return f", fits with a 95% margin of {gib(safety)} GiB" if safety else ""
+    """What the estimator's 95% margin on published GPU runs says of a fitting plan ("" without one)."""
+    fm = fit_margin_of(result)
+    if not fm or not result.fits:
+        return ""
+    verdict = "still fits" if fm["fits_with_margin"] else "would not fit with it"
+    return f"; 95% margin {gib(fm['bytes'])} GiB: {verdict}"
 
 
 def methods_table(standing, allowed_methods: Iterable[str]) -> Table:

@@ -4,9 +4,14 @@ A :class:`ModelSpec` holds the handful of config fields that decide memory and t
 (hidden size, layers, heads, KV heads, head dim, intermediate size, vocab, tied
 embeddings, max positions). The *family* (the transformers ``model_type``) decides the
 shape of the block: gated (SwiGLU/GeGLU) or plain MLP, RMSNorm or LayerNorm, how many
-norms a layer has, biases, rotary or learned positions. Families and named models are
-plain dicts, like LitGPT's ``config.py``; ``ModelSpec`` derives the parameter count from
-the fields and the registry states it, so a typo in either shows up in the tests.
+norms a layer has and where, biases (the output head's included), rotary (whole or
+partial), learned or ALiBi positions, attention and MLP in sequence or in parallel off
+the block input, an embedding norm. A few config fields that change the block per model
+(a partial rotary fraction, a dropout probability) ride in ``hf_extra`` under the
+config's own names, read through the family (``rotary_key``, ``dropout_keys``).
+Families and named models are plain dicts, like LitGPT's ``config.py``; ``ModelSpec``
+derives the parameter count from the fields and the registry states it, so a typo in
+either shows up in the tests.
 
 Imports without torch; ``to_hf_config`` imports transformers lazily.
 """
@@ -46,7 +51,7 @@ class Family:
     qkv_bias: bool
     out_bias: bool
     mlp_bias: bool
-    positions: str  # "rope" or "learned"
+    positions: str  # "rope", "learned" or "alibi" (a per-head bias on the scores: no table, no rotation)
     attn_impls: tuple[str, ...]  # attention kernels transformers implements for it
     dropout: bool  # default config trains with dropout > 0 (saves masks)
     # one block's Linear layers as transformers names them (what PEFT and bitsandbytes
@@ -57,7 +62,9 @@ class Family:
     mlp_in: tuple[str, ...]
     mlp_out: str
     # transformers' activation name: "silu", "gelu_pytorch_tanh", "gelu_new" (GPT-2's
-    # NewGELU, written in Python ops that each save a tensor), "gelu" (exact: saves its input)
+    # NewGELU, written in Python ops that each save a tensor), "gelu" (exact: saves its input),
+    # "bloom_gelu" (BLOOM's own tanh-GELU autograd Function: saves its input, its backward
+    # is Python ops)
     activation: str
     # where the norms sit: "pre" (before attention and MLP), "post" (BERT: after each
     # residual add) or "sandwich" (Gemma-2: before and after both)
@@ -73,6 +80,33 @@ class Family:
     has_head_dim_key: bool = True  # config accepts an explicit head_dim
     has_kv_heads_key: bool = True  # config has num_key_value_heads (grouped-query attention)
     tied_by_default: bool = False  # the config class ties the embeddings when the file does not say
+    # attention and MLP both read the block input and their outputs join the residual in
+    # one add (phi, gpt_neox's use_parallel_residual); with one norm per layer they read
+    # the same normed tensor (phi), with two each has its own norm of the input (gpt_neox)
+    parallel_residual: bool = False
+    head_bias: bool = False  # the output head has a bias (phi)
+    # partial rotary: the config key of the rotated fraction of head_dim and the config
+    # class's default for it; a model that differs states it in hf_extra under that key
+    rotary_key: str = ""
+    rotary_default: float = 1.0
+    # dropout probabilities the config sets per model (the family default is 0): config
+    # key -> the dropouts it drives ("residual", "embedding"); a model training with one
+    # states it in hf_extra (phi-2's resid_pdrop). ``dropout`` above is GPT-2/BERT's all-on
+    # default (attention dropout included, which no key here sets)
+    dropout_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    mlp_ratio: int = 0  # the MLP width is this × hidden and no config field (bloom: 4); 0: intermediate_size
+    # config fields that choose the block this family's fields describe: key -> (the value
+    # to_hf_config sets, the values a config may have: None where leaving it out gives that
+    # block); from_hf_config refuses another block (falcon-7b's one-norm multi-query block,
+    # a sequential gpt_neox)
+    config_fixed: Mapping[str, tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
+    # the model builds its 4D causal mask even for unpadded batches (falcon, ready to add
+    # ALiBi to it): sdpa gets a mask, saves it, and repeats grouped KV heads
+    mask_always: bool = False
+
+    def config_key(self, name: str) -> str:
+        """The config field under its llama ``name``, as this family's config names it ("": none)."""
+        return self.keys.get(name, name)
 
     @property
     def fused_qkv(self) -> bool:
@@ -130,6 +164,153 @@ FAMILIES: dict[str, Family] = {
             "Phi3DecoderLayer",
             **{**_LLAMA_LIKE, "attn_in": ("qkv_proj",), "mlp_in": ("gate_up_proj",)},
             has_head_dim_key=False,
+        ),
+        # Gemma 1: llama's block with GeGLU, (1 + w) RMSNorm in fp32 and the sqrt(hidden)
+        # embedding scale (modeling_gemma.py); tied, as GemmaConfig ties by default
+        Family(
+            "gemma",
+            "GemmaConfig",
+            "GemmaDecoderLayer",
+            **{**_LLAMA_LIKE, "activation": "gelu_pytorch_tanh"},
+            norm_scales_in_fp32=True,
+            embed_scale=True,
+            tied_by_default=True,
+        ),
+        # Phi-1.5/Phi-2 (modeling_phi.py): one LayerNorm feeds attention and MLP in parallel,
+        # q/k/v and dense with biases, rotary on the first partial_rotary_factor of head_dim
+        # (PhiConfig's default 0.5), fc1 -> gelu_new -> fc2, untied head with a bias
+        Family(
+            "phi",
+            "PhiConfig",
+            "PhiDecoderLayer",
+            task="causal-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=1,
+            final_norm=True,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            positions="rope",
+            attn_impls=("eager", "sdpa", "flash2"),
+            dropout=False,
+            attn_in=("q_proj", "k_proj", "v_proj"),
+            attn_out="self_attn.dense",
+            mlp_in=("fc1",),
+            mlp_out="fc2",
+            activation="gelu_new",
+            has_head_dim_key=False,
+            parallel_residual=True,
+            head_bias=True,
+            rotary_key="partial_rotary_factor",
+            rotary_default=0.5,
+            dropout_keys={"resid_pdrop": ("residual",), "embd_pdrop": ("embedding",)},
+        ),
+        # GPT-NeoX (Pythia, StableLM-alpha; modeling_gpt_neox.py): use_parallel_residual (the
+        # config default; a sequential config is refused by from_hf_config), a LayerNorm each
+        # for attention and MLP, fused query_key_value with bias, rotary on rotary_pct of
+        # head_dim (default 0.25), exact GELU, untied embed_out without bias
+        Family(
+            "gpt_neox",
+            "GPTNeoXConfig",
+            "GPTNeoXLayer",
+            task="causal-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=2,
+            final_norm=True,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            positions="rope",
+            attn_impls=("eager", "sdpa", "flash2"),
+            dropout=False,
+            attn_in=("query_key_value",),
+            attn_out="attention.dense",
+            mlp_in=("dense_h_to_4h",),
+            mlp_out="dense_4h_to_h",
+            activation="gelu",
+            has_head_dim_key=False,
+            has_kv_heads_key=False,
+            parallel_residual=True,
+            rotary_key="rotary_pct",
+            rotary_default=0.25,
+            dropout_keys={"hidden_dropout": ("residual", "embedding")},
+            config_fixed={"use_parallel_residual": (True, (True, None))},
+        ),
+        # Falcon's new decoder architecture (falcon-40b/180b; modeling_falcon.py): attention
+        # and MLP in parallel off two LayerNorms of the block input (ln_attn, ln_mlp), fused
+        # query_key_value grouped by KV head, no biases, full rotary, GELU MLP, tied. The
+        # first architecture (falcon-7b: one norm, multi-query) is another block: refused.
+        Family(
+            "falcon",
+            "FalconConfig",
+            "FalconDecoderLayer",
+            task="causal-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=2,
+            final_norm=True,
+            qkv_bias=False,
+            out_bias=False,
+            mlp_bias=False,
+            positions="rope",
+            attn_impls=("eager", "sdpa", "flash2"),
+            dropout=False,
+            attn_in=("query_key_value",),
+            attn_out="self_attention.dense",
+            mlp_in=("dense_h_to_4h",),
+            mlp_out="dense_4h_to_h",
+            activation="gelu",
+            keys={"num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn_hidden_size"},
+            has_head_dim_key=False,
+            tied_by_default=True,
+            parallel_residual=True,
+            mask_always=True,
+            config_fixed={
+                "new_decoder_architecture": (True, (True,)),
+                "parallel_attn": (True, (True, None)),
+                "num_ln_in_parallel_attn": (2, (2, None)),
+                "alibi": (False, (False, None)),
+                "bias": (False, (False, None)),
+            },
+        ),
+        # BLOOM (modeling_bloom.py): ALiBi, a LayerNorm on the embeddings, fused
+        # query_key_value with bias, its own attention (baddbmm + fp32 softmax: no sdpa or
+        # flash path in transformers), its own tanh-GELU autograd Function, an MLP 4 x hidden
+        # wide (no config field), tied
+        Family(
+            "bloom",
+            "BloomConfig",
+            "BloomBlock",
+            task="causal-lm",
+            gated_mlp=False,
+            norm="layernorm",
+            norms_per_layer=2,
+            final_norm=True,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            positions="alibi",
+            attn_impls=("eager",),
+            dropout=False,
+            attn_in=("query_key_value",),
+            attn_out="self_attention.dense",
+            mlp_in=("dense_h_to_4h",),
+            mlp_out="dense_4h_to_h",
+            activation="bloom_gelu",
+            embed_norm=True,
+            keys={
+                "num_hidden_layers": "n_layer",
+                "num_attention_heads": "n_head",
+                "intermediate_size": "",
+                "max_position_embeddings": "seq_length",
+            },
+            has_head_dim_key=False,
+            has_kv_heads_key=False,
+            tied_by_default=True,
+            dropout_keys={"hidden_dropout": ("residual",)},
+            mlp_ratio=4,
         ),
         Family(
             "gpt2",
@@ -257,6 +438,8 @@ class ModelSpec:
             problems.append(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if not problems and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not problems:
+            problems += self._family_problems()
         if problems:
             raise SpecError(f"model {self.name!r}: " + "; ".join(problems))
         derived = self.derived_param_count()
@@ -268,9 +451,54 @@ class ModelSpec:
                 f"the {derived:,} its fields give"
             )
 
+    def _family_problems(self) -> list[str]:
+        """What the family's own rules refuse: an MLP width it fixes, a rotary fraction out of range."""
+        f, out = self.family, []
+        if f.mlp_ratio and self.intermediate_size != f.mlp_ratio * self.hidden_size:
+            out.append(
+                f"{self.model_type} MLPs are {f.mlp_ratio} x hidden_size wide: intermediate_size must be "
+                f"{f.mlp_ratio * self.hidden_size:,}, got {self.intermediate_size:,}"
+            )
+        try:
+            extra = dict(self.hf_extra)
+        except (TypeError, ValueError):
+            return [*out, f"hf_extra must be (key, value) pairs, got {self.hf_extra!r}"]
+        frac = extra.get(f.rotary_key) if f.rotary_key else None
+        if frac is not None and not (_is_number(frac) and 0 < frac <= 1):
+            out.append(f"{f.rotary_key} must be a fraction in (0, 1], got {frac!r}")
+        for key in f.dropout_keys:
+            p = extra.get(key)
+            if p is not None and not (_is_number(p) and 0 <= p < 1):
+                out.append(f"{key} must be a probability in [0, 1), got {p!r}")
+        return out
+
     @property
     def family(self) -> Family:
         return FAMILIES[self.model_type]
+
+    @property
+    def rotary_fraction(self) -> float:
+        """The fraction of head_dim RoPE rotates: 1 for llama, partial for phi and gpt_neox, 0 without RoPE."""
+        f = self.family
+        if f.positions != "rope":
+            return 0.0
+        if not f.rotary_key:
+            return 1.0
+        return float(dict(self.hf_extra).get(f.rotary_key, f.rotary_default))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per head, as transformers rounds them (``int(head_dim * fraction)``)."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def dropouts(self) -> frozenset[str]:
+        """Where the model trains with dropout: ``attention``, ``residual``, ``embedding``."""
+        f = self.family
+        if f.dropout:
+            return frozenset(("attention", "residual", "embedding"))
+        extra = dict(self.hf_extra)
+        return frozenset(kind for key, kinds in f.dropout_keys.items() if extra.get(key) for kind in kinds)
 
     @property
     def q_dim(self) -> int:
@@ -286,7 +514,7 @@ class ModelSpec:
         n = self.vocab_size * h
         if f.positions == "learned":
             n += self.max_position_embeddings * h
-        n += f.token_types * h + (2 * h if f.embed_norm else 0)  # BERT: token types + embedding LayerNorm
+        n += f.token_types * h + (2 * h if f.embed_norm else 0)  # BERT's token types; BERT/BLOOM embedding norm
         return n
 
     def layer_params(self) -> int:
@@ -311,6 +539,8 @@ class ModelSpec:
             n += h * h + h + 2 * h + self.vocab_size  # transform dense + LayerNorm + decoder bias
         if not self.tie_word_embeddings:
             n += self.vocab_size * h
+        if f.head_bias:
+            n += self.vocab_size
         return n
 
     def derived_param_count(self) -> int:
@@ -383,12 +613,21 @@ class ModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def variant(self, **overrides: Any) -> ModelSpec:
-        """A resized copy (e.g. a 2-layer model for CPU tests); the count is re-derived."""
+        """A resized copy (e.g. a 2-layer model for CPU tests); the count is re-derived.
+
+        Where the family fixes the MLP width (``Family.mlp_ratio``: bloom), the copy's
+        intermediate size follows its hidden size, whatever ``overrides`` says.
+        """
         name = overrides.pop("name", None)
         if name is None:
             name = self.name + "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
         if "num_heads" in overrides and "num_kv_heads" not in overrides:
             overrides["num_kv_heads"] = min(self.num_kv_heads, overrides["num_heads"])
+        model_type = overrides.get("model_type", self.model_type)
+        family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+        ratio = family.mlp_ratio if family else 0  # an unknown type is refused by __post_init__
+        if ratio:
+            overrides["intermediate_size"] = ratio * overrides.get("hidden_size", self.hidden_size)
         return dataclasses.replace(self, name=name, n_params=0, **overrides)
 
     # -- transformers -----------------------------------------------------------------
@@ -407,7 +646,8 @@ class ModelSpec:
             kw["num_key_value_heads"] = self.num_kv_heads
         if f.has_head_dim_key:
             kw["head_dim"] = self.head_dim
-        kw = {f.keys.get(k, k): v for k, v in kw.items()}
+        kw = {f.config_key(k): v for k, v in kw.items() if f.config_key(k)}  # bloom has no MLP width field
+        kw.update({k: value for k, (value, _) in f.config_fixed.items()})
         kw.update(dict(self.hf_extra))
         return kw
 
@@ -417,8 +657,9 @@ class ModelSpec:
 
         cls = getattr(transformers, self.family.hf_config)
         cfg = cls(**self.hf_config_kwargs())
-        if "intermediate_size" in self.family.keys:  # GPT-2's n_inner: null would mean 4·hidden
-            setattr(cfg, self.family.keys["intermediate_size"], self.intermediate_size)
+        inner = self.family.keys.get("intermediate_size")
+        if inner:  # GPT-2's n_inner: null would mean 4·hidden
+            setattr(cfg, inner, self.intermediate_size)
         for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(cfg, attr, None)
             if isinstance(value, int) and value >= self.vocab_size:  # a resized vocab (tiny variants)
@@ -449,7 +690,7 @@ class ModelSpec:
 
         h, heads = size("hidden_size"), size("num_attention_heads")
         layers, vocab = size("num_hidden_layers"), size("vocab_size")
-        inter = size("intermediate_size", 4 * h)  # gpt2: n_inner null means 4*h
+        inter = size("intermediate_size", (f.mlp_ratio or 4) * h)  # gpt2: n_inner null means 4*h; bloom has none
         kv_heads = size("num_key_value_heads", heads)
         if d.get("head_dim") is None and h < heads:
             raise SpecError(
@@ -469,6 +710,7 @@ class ModelSpec:
             max_position_embeddings=size("max_position_embeddings", 2048),
             tie_word_embeddings=_config_tie(d, f, where),
             source=source,
+            hf_extra=_config_extra(d, f, where),
         )
 
 
@@ -519,6 +761,42 @@ def _config_size(d: Mapping[str, Any], f: Family, where: str, k: str, default: i
             f"{where}: {key!r} is {value:,}, beyond the {_HF_MAX_FIELD[k]:,} any real model has; fix it in the config"
         )
     return value
+
+
+def _config_extra(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[str, Any], ...]:
+    """The family's per-model block fields (``rotary_key``, ``dropout_keys``) where the config
+    sets them off the family default, under the config's own names (``hf_extra``); a config
+    of another block than the family's (``config_fixed``) is refused."""
+    for key, (value, accepted) in f.config_fixed.items():
+        got = d.get(key)
+        if got not in accepted:
+            stated = "not set (the config class's default)" if got is None else _shown(got)
+            raise SpecError(
+                f"{where}: {key!r} is {stated}; autofit models {f.model_type} blocks with {key} {_shown(value)} only"
+            )
+    extra: list[tuple[str, Any]] = []
+    if f.rotary_key:
+        frac = d.get(f.rotary_key)
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        if frac is None and isinstance(rope, Mapping):  # transformers 5 keeps it among the rope parameters
+            frac = rope.get("partial_rotary_factor")
+        if frac is not None and not (_is_number(frac) and 0 < frac <= 1):
+            raise SpecError(
+                f"{where}: {f.rotary_key!r} must be a fraction in (0, 1], got {_shown(frac)}; fix it in the config"
+            )
+        if frac is not None and frac != f.rotary_default:
+            extra.append((f.rotary_key, frac))
+    for key in f.dropout_keys:
+        p = d.get(key)
+        if p is not None and not (_is_number(p) and 0 <= p < 1):
+            raise SpecError(f"{where}: {key!r} must be a probability in [0, 1), got {_shown(p)}; fix it in the config")
+        if p:
+            extra.append((key, p))
+    return tuple(extra)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 def _config_tie(d: Mapping[str, Any], f: Family, where: str) -> bool:
@@ -747,6 +1025,236 @@ _REGISTRY: list[dict[str, Any]] = [
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         n_params=3_821_079_552,
+    ),
+    # Llama 2/3.1 sizes and Yi (model_type llama): meta-llama/Llama-2-70b-hf,
+    # meta-llama/Llama-3.1-{8B,70B,405B} and 01-ai/Yi-{6B,34B} config.json. Llama 3.1's
+    # rope_scaling ("llama3", factor 8) and Yi's rope_theta change neither memory nor
+    # parameters and are left out (hf_extra must stay hashable: no dicts).
+    dict(
+        name="llama-2-70b",
+        source="meta-llama/Llama-2-70b-hf",
+        model_type="llama",
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=68_976_648_192,
+    ),
+    dict(
+        name="llama-3.1-8b",
+        source="meta-llama/Llama-3.1-8B",
+        model_type="llama",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=8_030_261_248,
+    ),
+    dict(
+        name="llama-3.1-70b",
+        source="meta-llama/Llama-3.1-70B",
+        model_type="llama",
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=70_553_706_496,
+    ),
+    dict(
+        name="llama-3.1-405b",
+        source="meta-llama/Llama-3.1-405B",
+        model_type="llama",
+        hidden_size=16384,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=405_853_388_800,
+    ),
+    dict(
+        name="yi-6b",
+        source="01-ai/Yi-6B",
+        model_type="llama",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=64000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=6_061_035_520,
+    ),
+    dict(
+        name="yi-34b",
+        source="01-ai/Yi-34B",
+        model_type="llama",
+        hidden_size=7168,
+        num_layers=60,
+        num_heads=56,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=20480,
+        vocab_size=64000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=34_388_917_248,
+    ),
+    # Gemma 1: google/gemma-{2b,7b} config.json (2b: multi-query, one KV head)
+    dict(
+        name="gemma-2b",
+        source="google/gemma-2b",
+        model_type="gemma",
+        hidden_size=2048,
+        num_layers=18,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=256,
+        intermediate_size=16384,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        n_params=2_506_172_416,
+    ),
+    dict(
+        name="gemma-7b",
+        source="google/gemma-7b",
+        model_type="gemma",
+        hidden_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=256,
+        intermediate_size=24576,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        n_params=8_537_680_896,
+    ),
+    # Phi: microsoft/phi-1_5 config.json (partial_rotary_factor 0.5, PhiConfig's default;
+    # resid_pdrop 0.0) and microsoft/phi-2 config.json (partial_rotary_factor 0.4,
+    # resid_pdrop 0.1: it trains with residual dropout)
+    dict(
+        name="phi-1_5",
+        source="microsoft/phi-1_5",
+        model_type="phi",
+        hidden_size=2048,
+        num_layers=24,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=51200,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        n_params=1_418_270_720,
+    ),
+    dict(
+        name="phi-2",
+        source="microsoft/phi-2",
+        model_type="phi",
+        hidden_size=2560,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=80,
+        intermediate_size=10240,
+        vocab_size=51200,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        n_params=2_779_683_840,
+        hf_extra=(("partial_rotary_factor", 0.4), ("resid_pdrop", 0.1)),
+    ),
+    # StableLM-Base-Alpha (gpt_neox): stabilityai/stablelm-base-alpha-{3b,7b} config.json as
+    # LitGPT's config.py transcribes it (its entries link those files: 16 layers, 32 heads x
+    # 4096 / 48 x 6144, MLP 4 x hidden, vocab 50254 padded to 50688 / 50432, block 4096,
+    # rotary 0.25, parallel residual, biases, untied); the 3b vocab and the gpt_neox keys
+    # also as the same-shape stablelm-tuned-alpha-3b config reads (MLC-LLM's table)
+    dict(
+        name="stablelm-base-alpha-3b",
+        source="stabilityai/stablelm-base-alpha-3b",
+        model_type="gpt_neox",
+        hidden_size=4096,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=16384,
+        vocab_size=50688,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=3_637_321_728,
+    ),
+    dict(
+        name="stablelm-base-alpha-7b",
+        source="stabilityai/stablelm-base-alpha-7b",
+        model_type="gpt_neox",
+        hidden_size=6144,
+        num_layers=16,
+        num_heads=48,
+        num_kv_heads=48,
+        head_dim=128,
+        intermediate_size=24576,
+        vocab_size=50432,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        n_params=7_868_755_968,
+    ),
+    # BLOOM: bigscience/bloom-7b1 config.json (bigscience/bloomz-7b1 has the same shape):
+    # n_layer 30, n_head 32, hidden 4096, vocab 250880, seq_length 2048, tied
+    dict(
+        name="bloom-7b1",
+        source="bigscience/bloom-7b1",
+        model_type="bloom",
+        hidden_size=4096,
+        num_layers=30,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=16384,
+        vocab_size=250880,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        n_params=7_069_016_064,
+    ),
+    # Falcon-40B: tiiuae/falcon-40b config.json (new_decoder_architecture, 60 layers, 128
+    # heads, 8 KV heads, hidden 8192, vocab 65024; MLP 4 x hidden, as llama.cpp's loader
+    # reads it: n_ff 32768). The file does not state tie_word_embeddings: FalconConfig's
+    # default (tied) applies, as it does when transformers loads it.
+    dict(
+        name="falcon-40b",
+        source="tiiuae/falcon-40b",
+        model_type="falcon",
+        hidden_size=8192,
+        num_layers=60,
+        num_heads=128,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=32768,
+        vocab_size=65024,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        n_params=41_303_293_952,
     ),
     dict(
         name="gpt2",

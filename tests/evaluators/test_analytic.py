@@ -106,6 +106,9 @@ REAL_PLANS = [
     Plan(precision="bf16-true", micro_batch=2),
     Plan(precision="bf16-mixed", micro_batch=2),
     Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2),
+    # peft's dropout on each adapter's input: a mask (where the input needs a grad) and a dropped copy
+    Plan(method="lora", lora_rank=8, lora_dropout=0.1, precision="bf16-mixed", micro_batch=2),
+    Plan(method="lora", lora_rank=8, lora_dropout=0.1, precision="bf16-mixed", micro_batch=2, checkpointing="full"),
     Plan(precision="bf16-true", micro_batch=1, grad_accum=2),
     Plan(precision="bf16-true", micro_batch=2, checkpointing="full"),
     Plan(precision="bf16-true", micro_batch=2, attention="eager", fused_loss=True),
@@ -128,10 +131,28 @@ def measure(spec, plan, workload):
     return tr.snapshot()
 
 
-@pytest.mark.parametrize("family", ["mistral-7b", "qwen2.5-7b", "phi-3-mini"])
-@pytest.mark.parametrize("plan", REAL_PLANS, ids=lambda p: p.summary())
-def test_analytic_peak_matches_a_real_cpu_step(family, plan):
-    spec = tiny(family)
+# llama's block and its relatives (qwen2's biases, phi3's fused projections, Gemma's GeGLU
+# and fp32 (1 + w) norms), and the parallel blocks: phi (one LayerNorm for attention and
+# MLP, partial rotary, biases, gelu_new; phi-2 with its residual dropout), gpt_neox
+# (StableLM-alpha: a LayerNorm each, fused query_key_value, rotary on a quarter of head_dim)
+# and falcon (two LayerNorms, fused grouped query_key_value, a causal mask always built)
+FAMILIES = ["mistral-7b", "qwen2.5-7b", "phi-3-mini", "gemma-2b", "phi-2", "stablelm-base-alpha-3b", "falcon-40b"]
+
+
+@pytest.mark.parametrize("family", ["mistral-7b", "phi-2"])
+def test_analytic_lora_dropout_in_bf16_true_is_high_not_low(family):
+    """bf16-true LoRA with dropout: the saved tensors are itemized exactly (the bf16-mixed plans
+    above match a real step), but the real peak moves into a block's backward, after the
+    logits are freed, and the analytic loss-backward moment, which matches the real peak
+    without dropout by the logits it counts, then reads up to ~10% high. Bounded, never low."""
+    plan = Plan(method="lora", lora_rank=8, lora_dropout=0.1, precision="bf16-true", micro_batch=2)
+    spec, workload = tiny(family), Workload(seq_len=256, global_batch=2)
+    real = measure(spec, plan, workload)
+    est = estimate(plan, Target(spec, parse_cluster("1xcpu"), workload)).memory
+    assert real.peak <= est.peak_allocated <= 1.12 * real.peak
+
+
+def assert_peak_matches(spec, plan):
     workload = Workload(seq_len=256, global_batch=2)
     ctx = Target(spec, parse_cluster("1xcpu"), workload)
     real = measure(spec, plan, workload)
@@ -142,9 +163,30 @@ def test_analytic_peak_matches_a_real_cpu_step(family, plan):
         assert getattr(est, comp) == pytest.approx(real.components[comp], rel=0.01)
 
 
-def test_one_layer_activations_itemized_exactly():
-    """One llama block in bf16 with sdpa: the analytic itemization, byte for byte (± rope/labels)."""
-    spec = tiny("llama-2-7b", layers=1)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("plan", REAL_PLANS, ids=lambda p: p.summary())
+def test_analytic_peak_matches_a_real_cpu_step(family, plan):
+    assert_peak_matches(tiny(family), plan)
+
+
+EAGER_PLANS = [p.replace(attention="eager") for p in REAL_PLANS if p.attention.value != "eager"]
+
+
+@pytest.mark.parametrize("plan", EAGER_PLANS, ids=lambda p: p.summary())
+def test_analytic_peak_matches_a_real_cpu_step_with_alibi(plan):
+    """BLOOM (ALiBi, embedding LayerNorm, fused query_key_value, its own GELU Function) runs
+    only its own eager attention (no sdpa path in transformers): the same plans, eager."""
+    assert_peak_matches(tiny("bloom-7b1"), plan)
+
+
+@pytest.mark.parametrize("family", ["llama-2-7b", "gemma-2b", "phi-2", "stablelm-base-alpha-3b"])
+def test_one_layer_activations_itemized_exactly(family):
+    """One block in bf16 with sdpa: the analytic itemization, byte for byte (± rope/labels;
+    Gemma's fp32 (1 + w) vectors, h floats per norm, are left out). Partial rotary's copy of
+    the kernel output, phi's shared norm output and gpt_neox's shared norm input included.
+    (BLOOM's block is itemized against its saved tensors in test_families.py: with its eager
+    attention the peak of a one-layer step is not where the activations are all alive.)"""
+    spec = tiny(family, layers=1)
     workload = Workload(seq_len=256, global_batch=2)
     plan = Plan(precision="bf16-true", micro_batch=2)
     real = measure(spec, plan, workload)

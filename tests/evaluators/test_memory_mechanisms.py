@@ -112,12 +112,14 @@ def _anatomy(total: int) -> MemoryAnatomy:
     )  # fmt: skip
 
 
-def test_the_margin_decides_a_close_fit():
+def test_a_close_fit_says_it_would_not_fit_with_the_margin():
     ctx = _target("1xA100-40GB")
     close = _anatomy(int(ctx.budget_bytes * 0.95))
     assert judge(close, ctx)[0] is Status.FITS
-    status, reason = judge(close, ctx, margin=0.10)
-    assert status is Status.OOM and "with a 10% margin" in reason
+    said = costs.fit_margin_extra(0.10, close, ctx.budget_bytes)["fit_margin"]
+    assert said["bytes"] == int(close.device_total * 0.10) and not said["fits_with_margin"]
+    assert costs.fit_margin_extra(0.01, close, ctx.budget_bytes)["fit_margin"]["fits_with_margin"]
+    assert costs.fit_margin_extra(0.0, close, ctx.budget_bytes) == {}
 
 
 def test_the_cpu_target_has_no_margin():
@@ -132,5 +134,6 @@ def test_estimates_on_a_gpu_carry_their_margin():
     if margin:
         fm = result.extra["fit_margin"]
         assert fm["fraction"] == margin and fm["bytes"] == int(result.memory.device_total * margin)
+        assert fm["fits_with_margin"] == (result.memory.device_total + fm["bytes"] <= ctx.budget_bytes)
     else:
         assert "fit_margin" not in result.extra

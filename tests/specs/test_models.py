@@ -22,6 +22,21 @@ REQUIRED = [
     "gpt2",
     "gpt2-xl",
     "bert-large-uncased",
+    # the architectures of published fine-tuning runs
+    "phi-1_5",
+    "phi-2",
+    "stablelm-base-alpha-3b",
+    "stablelm-base-alpha-7b",
+    "gemma-2b",
+    "gemma-7b",
+    "bloom-7b1",
+    "falcon-40b",
+    "llama-2-70b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "llama-3.1-405b",
+    "yi-6b",
+    "yi-34b",
 ]
 
 
@@ -52,6 +67,124 @@ def test_known_parameter_counts():
     assert MODELS["mistral-7b"].n_params == 7_241_732_096
     assert MODELS["llama-3-70b"].n_params == 70_553_706_496
     assert MODELS["gpt2"].n_params == 124_439_808
+    # as the model cards state them (rounded there)
+    assert MODELS["phi-2"].n_params == 2_779_683_840  # "2.7B"
+    assert MODELS["gemma-2b"].n_params == 2_506_172_416  # 2.51B with the tied embedding
+    assert MODELS["bloom-7b1"].n_params == 7_069_016_064  # 7,069,016,064 on the card
+    assert MODELS["llama-3.1-405b"].n_params == 405_853_388_800
+
+
+# -- the families of published fine-tuning runs: config names, per-model block fields, LoRA names --
+RAW_CONFIGS = {
+    # config.json as the hub has them: the names each family's config class reads
+    "phi-2": {
+        "model_type": "phi",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "partial_rotary_factor": 0.4,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "vocab_size": 51200,
+    },
+    "stablelm-base-alpha-3b": {
+        "model_type": "gpt_neox",
+        "hidden_size": 4096,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "rotary_pct": 0.25,
+        "use_parallel_residual": True,
+        "hidden_dropout": 0.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": 50688,
+    },
+    "falcon-40b": {
+        "model_type": "falcon",
+        "alibi": False,
+        "bias": False,
+        "hidden_size": 8192,
+        "new_decoder_architecture": True,
+        "num_attention_heads": 128,
+        "num_hidden_layers": 60,
+        "num_kv_heads": 8,
+        "parallel_attn": True,
+        "hidden_dropout": 0.0,
+        "vocab_size": 65024,
+    },
+    "bloom-7b1": {
+        "model_type": "bloom",
+        "hidden_size": 4096,
+        "n_layer": 30,
+        "n_head": 32,
+        "seq_length": 2048,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "vocab_size": 250880,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(RAW_CONFIGS))
+def test_a_hub_config_json_reads_as_the_registered_model(name, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(RAW_CONFIGS[name]))
+    spec = resolve_model(str(path))
+    assert spec.fingerprint == MODELS[name].fingerprint and spec.n_params == MODELS[name].n_params
+
+
+def test_per_model_block_fields_reach_the_transformers_config():
+    phi2 = MODELS["phi-2"]
+    cfg = phi2.to_hf_config()
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.4 and cfg.resid_pdrop == 0.1
+    assert phi2.rotary_dim == 32 and phi2.dropouts == {"residual"}
+    assert MODELS["phi-1_5"].rotary_dim == 32 and not MODELS["phi-1_5"].dropouts  # PhiConfig's defaults
+    neox = MODELS["stablelm-base-alpha-3b"]
+    assert neox.to_hf_config().rope_parameters["partial_rotary_factor"] == 0.25 and neox.rotary_dim == 32
+    assert MODELS["bloom-7b1"].rotary_dim == 0 and MODELS["llama-3.1-8b"].rotary_dim == 128
+    assert MODELS["gpt2"].dropouts == {"attention", "residual", "embedding"}
+
+
+def test_family_rules_are_refused_with_the_field_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**RAW_CONFIGS["stablelm-base-alpha-3b"], "use_parallel_residual": False}))
+    with pytest.raises(SpecError, match="'use_parallel_residual' is false; autofit models gpt_neox blocks with"):
+        resolve_model(str(path))
+    falcon_7b = {**RAW_CONFIGS["falcon-40b"], "new_decoder_architecture": False, "multi_query": True}
+    path.write_text(json.dumps(falcon_7b))  # falcon-7b's block: one norm, multi-query
+    with pytest.raises(SpecError, match="'new_decoder_architecture' is false"):
+        resolve_model(str(path))
+    path.write_text(json.dumps({**RAW_CONFIGS["phi-2"], "partial_rotary_factor": 1.5}))
+    with pytest.raises(SpecError, match="'partial_rotary_factor' must be a fraction"):
+        resolve_model(str(path))
+    with pytest.raises(SpecError, match="intermediate_size must be 16,384"):
+        ModelSpec(**{**MODELS["bloom-7b1"].as_dict(), "intermediate_size": 1000, "n_params": 0, "hf_extra": ()})
+    # a resized BLOOM keeps its MLP 4 x hidden wide
+    assert MODELS["bloom-7b1"].variant(hidden_size=64, intermediate_size=99).intermediate_size == 256
+
+
+@pytest.mark.parametrize("model_type", ["phi", "gpt_neox", "gemma", "falcon", "bloom"])
+def test_lora_target_names_are_the_linears_peft_matches(model_type):
+    """Every name of ``linears()`` is the suffix of exactly one Linear per block (PEFT's and
+    bitsandbytes' matching rule), with the stated in and out features."""
+    import torch
+
+    from autofit.evaluators.runtime import hf_model_class
+
+    spec = next(m for m in MODELS.values() if m.model_type == model_type)
+    spec = spec.variant(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=128, vocab_size=128)
+    with torch.device("meta"):
+        model = hf_model_class(spec).from_config(spec.to_hf_config())
+    for name, n_in, n_out, _ in spec.linears():
+        found = [m for q, m in model.named_modules() if q == name or q.endswith("." + name)]
+        assert len(found) == spec.num_layers, name
+        assert all(isinstance(m, torch.nn.Linear) for m in found), name
+        assert {(m.in_features, m.out_features) for m in found} == {(n_in, n_out)}, name
 
 
 def test_a_wrong_stated_count_is_refused():
