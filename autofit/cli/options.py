@@ -130,7 +130,12 @@ def plan_options(fn: Callable) -> Callable:
             "--grad-accum", type=click.IntRange(min=1), default=None, help="Default: what the global batch needs."
         ),
         click.option("--checkpointing", type=_choice(Checkpointing), default="none", show_default=True),
-        click.option("--attention", type=_choice(Attention), default="sdpa", show_default=True),
+        click.option(
+            "--attention",
+            type=_choice(Attention),
+            default=None,
+            help="Default: sdpa where the model implements it, else eager (BLOOM).",
+        ),
         click.option("--sharding", type=_choice(Sharding), default="none", show_default=True),
         click.option("--offload", type=_choice(Offload), default="none", show_default=True),
         click.option("--offload-device", type=_choice(OffloadDevice), default="cpu", show_default=True),

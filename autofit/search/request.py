@@ -91,6 +91,7 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
     """A Plan from CLI options; unset knobs get defaults that are valid for the target."""
     opts = {k: v for k, v in opts.items() if v is not None}
     opts.setdefault("precision", default_precision(ctx.cluster))
+    opts.setdefault("attention", "sdpa" if "sdpa" in ctx.model.family.attn_impls else "eager")
     if opts.get("method", "full") in ("lora", "qlora"):
         opts.setdefault("lora_rank", DEFAULT_LORA_RANK)
     mb = opts.get("micro_batch", 1)

@@ -107,3 +107,12 @@ def test_simulated_builds_and_matches_each_new_family(family, plan):
     """transformers builds each family from its config on meta, PEFT and bitsandbytes find
     their Linear layers by the family's names, and the traced step is the real one."""
     check(family, plan)
+
+
+def test_a_family_without_sdpa_gets_eager_by_default():
+    """BLOOM implements eager attention only: a plan built without --attention uses it."""
+    from autofit.search.request import build_context, build_plan
+
+    ctx = build_context("bloom-7b1", "1xA100-80GB", seq_len=512, global_batch=4)
+    assert build_plan(ctx, method="lora").attention.value == "eager"
+    assert build_plan(build_context("llama-3-8b", "1xA100-80GB", global_batch=4)).attention.value == "sdpa"
