@@ -140,6 +140,16 @@ def _qwen1(name: str, hidden: int, layers: int, heads: int, ff: int, vocab: int)
     )
 
 
+def _registered(name: str) -> dict[str, Any]:
+    from autofit.specs import MODELS
+
+    d = MODELS[name].as_dict()
+    d["hf_extra"] = tuple(d["hf_extra"].items())
+    return d
+
+
+_LLAMA2_7B = _registered("llama-2-7b")
+
 REMOTE_CODE_MODELS: dict[str, tuple[dict[str, Any], str]] = {
     "qwen-1_8b-chat": (_qwen1("qwen-1_8b-chat", 2048, 24, 16, 11008, 151936), "Qwen-1 as a qwen2 block"),
     "qwen-7b-chat": (_qwen1("qwen-7b-chat", 4096, 32, 32, 22016, 151936), "Qwen-1 as a qwen2 block"),
@@ -161,20 +171,9 @@ REMOTE_CODE_MODELS: dict[str, tuple[dict[str, Any], str]] = {
         ),
         "ChatGLM3 as a qwen2 block (GQA 2 groups, qkv bias)",
     ),
+    # W_pack: a fused qkv without bias, SwiGLU, RMSNorm, rope, a NormHead: Llama-2-7B's tensors, another vocabulary
     "baichuan2-7b-chat": (
-        dict(
-            name="baichuan2-7b-chat",
-            model_type="llama",  # W_pack fused qkv without bias, SwiGLU, RMSNorm, rope; NormHead
-            hidden_size=4096,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=32,
-            head_dim=128,
-            intermediate_size=11008,
-            vocab_size=125696,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        ),
+        dict(_LLAMA2_7B, name="baichuan2-7b-chat", vocab_size=125696, n_params=0, source=""),
         "Baichuan2-7B as a llama block",
     ),
 }
