@@ -236,11 +236,6 @@ def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:
     return Status.FITS, ""
 
 
-def margin_bytes(memory: MemoryAnatomy, margin: float) -> int:
-    """The bytes a fraction ``margin`` of the device total adds to what a plan must fit in."""
-    return int(memory.device_total * margin)
-
-
 def fit_margin_of(result: TrialResult) -> dict[str, Any]:
     """The 95% margin an estimate carries (``{}`` for a measurement or the CPU target):
     ``fraction``, ``bytes`` and whether the plan still fits with it (``fits_with_margin``)."""

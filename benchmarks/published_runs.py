@@ -42,6 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autofit.specs import MODELS, ModelSpec  # noqa: E402 - after the path above
+
 CSV = ROOT.parent / "shared" / "reference-runs" / "published_runs.csv"
 GiB = 2**30
 UNDER = 0.05  # "under-predicted" means predicted < measured × (1 - UNDER)
@@ -140,17 +142,7 @@ def _qwen1(name: str, hidden: int, layers: int, heads: int, ff: int, vocab: int)
     )
 
 
-def _registered(name: str) -> dict[str, Any]:
-    from autofit.specs import MODELS
-
-    d = MODELS[name].as_dict()
-    d["hf_extra"] = tuple(d["hf_extra"].items())
-    return d
-
-
-_LLAMA2_7B = _registered("llama-2-7b")
-
-REMOTE_CODE_MODELS: dict[str, tuple[dict[str, Any], str]] = {
+REMOTE_CODE_MODELS: dict[str, tuple[dict[str, Any] | ModelSpec, str]] = {
     "qwen-1_8b-chat": (_qwen1("qwen-1_8b-chat", 2048, 24, 16, 11008, 151936), "Qwen-1 as a qwen2 block"),
     "qwen-7b-chat": (_qwen1("qwen-7b-chat", 4096, 32, 32, 22016, 151936), "Qwen-1 as a qwen2 block"),
     "qwen-14b-chat": (_qwen1("qwen-14b-chat", 5120, 40, 40, 27392, 152064), "Qwen-1 as a qwen2 block"),
@@ -173,7 +165,7 @@ REMOTE_CODE_MODELS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     # W_pack: a fused qkv without bias, SwiGLU, RMSNorm, rope, a NormHead: Llama-2-7B's tensors, another vocabulary
     "baichuan2-7b-chat": (
-        dict(_LLAMA2_7B, name="baichuan2-7b-chat", vocab_size=125696, n_params=0, source=""),
+        MODELS["llama-2-7b"].variant(name="baichuan2-7b-chat", vocab_size=125696),
         "Baichuan2-7B as a llama block",
     ),
 }
@@ -251,24 +243,18 @@ def _special(row: dict[str, str]) -> str:
 
 def _model(row: dict[str, str]) -> tuple[Any, str]:
     """The ModelSpec of a row's model, and a note, or (None, reason)."""
-    from autofit.errors import SpecError
-    from autofit.specs import MODELS, ModelSpec
-
     name = row["model"]
     if name in OUT_MODELS:
         return None, OUT_MODELS[name]
     if name in REMOTE_CODE_MODELS:
         d, note = REMOTE_CODE_MODELS[name]
-        return ModelSpec(**d), note
+        return (d if isinstance(d, ModelSpec) else ModelSpec(**d)), note
     reg = MODEL_NAMES.get(name)
     if reg is None:
         return None, f"model {name!r} is not mapped to an autofit architecture"
     if reg not in MODELS:
         return None, f"model {name!r} ({reg}) is not registered in autofit"
-    try:
-        return MODELS[reg], ("" if reg == name else f"as {reg}")
-    except SpecError as e:  # pragma: no cover - a registry error
-        return None, str(e)
+    return MODELS[reg], ("" if reg == name else f"as {reg}")
 
 
 def _gpus(text: str) -> tuple[str, str]:

@@ -820,7 +820,7 @@ def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.Sharde
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
     if cluster.gpu.kind == "cuda":  # allocated for the process's life (costs.cublas_workspace_bytes)
-        comp["temporary"] += costs.CUBLAS_HANDLES * costs.cublas_workspace_bytes(cluster.gpu.compute_capability)
+        comp["temporary"] += sum(costs.cublas_workspaces(cluster.gpu.compute_capability))
     return costs.on_device(comp, cluster, st.host, cluster.gpu.kind), phase
 
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
-from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, margin_bytes
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy
 from autofit.specs import ClusterSpec, ModelSpec
 from autofit.specs.units import GiB, MiB
 from autofit.techniques import DTYPE_BYTES, SHORT_NAME, deepspeed_buckets, dtype_layout
@@ -58,6 +58,11 @@ def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
     return 4096 * 8 * 1024 if capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+def cublas_workspaces(capability: tuple[int, int]) -> tuple[int, ...]:
+    """The workspaces a training process holds: one per handle (``CUBLAS_HANDLES``)."""
+    return (cublas_workspace_bytes(capability),) * CUBLAS_HANDLES
+
+
 def fit_margin(evaluator: str, kind: str = "cuda") -> float:
     """The share by which an estimator's device total must be raised to cover 95% of published
     GPU runs (``evidence.json``, written by ``benchmarks/published_runs.py --write-evidence``;
@@ -73,7 +78,7 @@ def fit_margin_extra(margin: float, memory: MemoryAnatomy, budget: int) -> dict:
     the plan would still fit the budget with them."""
     if not margin:
         return {}
-    extra = margin_bytes(memory, margin)
+    extra = int(memory.device_total * margin)
     return {
         "fit_margin": {
             "fraction": margin,

@@ -752,15 +752,11 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target, alloc: AllocatorConfig | None
         # judged as on a CUDA device whatever the target (the CPU target too): what the
         # simulator has always done; the analytic evaluator passes the target's kind
         return costs.on_device(comp, ctx.cluster, host, "cuda"), rm.phase
-    workspaces = _workspaces(ctx.cluster.gpu)
+    workspaces = costs.cublas_workspaces(ctx.cluster.gpu.compute_capability)
     comp["temporary"] += sum(workspaces)  # counted by max_memory_allocated (costs.cublas_workspace_bytes)
     allocated = sum(comp.values())
     pool = reserved(trace, workspaces, allocated, ctx, alloc or AllocatorConfig())
     return costs.on_device(comp, ctx.cluster, host, "cuda", reserved=pool), rm.phase
-
-
-def _workspaces(gpu: GPUSpec) -> tuple[int, ...]:
-    return (costs.cublas_workspace_bytes(gpu.compute_capability),) * costs.CUBLAS_HANDLES
 
 
 def reserved(trace: Trace, workspaces: tuple[int, ...], allocated: int, ctx: Target, config: AllocatorConfig) -> int:
