@@ -164,7 +164,7 @@ def measured_options(fn: Callable) -> Callable:
             "--warmup-steps",
             type=click.IntRange(min=1),
             default=None,
-            help="Measured: warm-up steps per trial, where memory is tracked [default: 2].",
+            help="Measured: warm-up steps per trial, where memory is tracked (2 steps at least) [default: 2].",
         ),
         click.option(
             "--trial-timeout", default=None, help="Measured: stop a trial after this long, e.g. 10m [default: 15m]."

@@ -453,16 +453,19 @@ class Trial:
         self.tracking = False
 
     def _train(self, runner, setup: Setup, spec, plan, wl, dev) -> _Steps:
-        """Warm-up steps (tracked: memory), then timed steps (untracked: speed); progress per step."""
+        """Warm-up steps (tracked: memory; two at least), then timed steps (untracked: speed); progress per step."""
         import torch
 
         from autofit.evaluators import runtime as rt
 
         cuda = dev.type == "cuda"
         warmup, timed = int(self.spec["warmup_steps"]), int(self.spec["timed_steps"])
+        # memory is tracked through the second step at least: the optimizer's states exist only
+        # from the first step's end, and the steady state the estimators predict has them
+        tracked = max(warmup, min(2, warmup + timed))
         out = _Steps()
         for step in range(warmup + timed):
-            if step == warmup:  # timed steps run untracked: its Python bookkeeping would slow them
+            if step == tracked:  # later steps run untracked: its Python bookkeeping would slow them
                 self._stop_tracking(setup)
             injected_fault(plan.plan_id, step)
             # warm-up steps take the worst case of the length distribution (memory),
