@@ -329,3 +329,84 @@ def workload_warnings(model: ModelSpec, workload: Workload) -> list[str]:
             "positions; the model was not trained for it"
         )
     return w
+
+
+# -- how simple a plan is -------------------------------------------------------------------------
+# The answer of a study is the simplest plan among those the time model cannot tell apart from
+# the fastest (``autofit.results.ranked``); these say what "simplest" means and what differs.
+_SHARDING_RANK = {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.FSDP: 3, Sharding.ZERO3: 4}
+_OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.OPTIMIZER_PARAMS: 2}
+
+
+def moving_parts(plan: Plan) -> tuple[str, ...]:
+    """The techniques a plan adds to plain training besides sharding and offload, each one
+    more thing to install, configure or debug: LoRA (QLoRA counts twice: 4-bit weights too),
+    gradient checkpointing, flash2 attention, a fused loss, packing, an 8-bit optimizer
+    (paged counts twice). Precision and the attention kernels torch ships are not parts."""
+    parts: list[str] = []
+    if plan.is_peft:
+        parts.append(plan.method.value)
+    if plan.method is Method.QLORA:
+        parts.append("4-bit base weights")
+    if plan.checkpointing is not Checkpointing.NONE:
+        parts.append("gradient checkpointing")
+    if plan.attention is Attention.FLASH2:
+        parts.append("flash2 attention")
+    if plan.fused_loss:
+        parts.append("fused loss")
+    if plan.packing:
+        parts.append("packing")
+    if plan.optimizer in _EIGHT_BIT:
+        parts.append("8-bit optimizer")
+    if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+        parts.append("paged optimizer")
+    return tuple(parts)
+
+
+def complexity(plan: Plan) -> tuple[int, int, int, int]:
+    """How much a plan asks of the person who runs it; smaller is simpler, compared in order:
+
+    1. offload: none, the optimizer, optimizer and parameters (host memory, CPU Adam, pinned
+       buffers), NVMe above CPU;
+    2. sharding: plain torch (one GPU, or DDP), ZeRO-1, ZeRO-2, FSDP, ZeRO-3: no DeepSpeed where
+       plain training or DDP does, and the less sharded the better;
+    3. the number of :func:`moving_parts` (LoRA, checkpointing, flash2, fused loss, ...);
+    4. the larger micro-batch (fewer accumulation steps for the same global batch).
+
+    The order does not depend on the number of GPUs: on one GPU a ZeRO stage only carries an
+    offload, on several it is a moving part still, and a plan that needs it to fit has no
+    simpler rival anyway (only fitting plans are ranked).
+    """
+    offload = _OFFLOAD_RANK[plan.offload]
+    if plan.offload is not Offload.NONE and plan.offload_device is OffloadDevice.NVME:
+        offload += 1
+    return (offload, _SHARDING_RANK[plan.sharding], len(moving_parts(plan)), -plan.micro_batch)
+
+
+def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
+    """What ``other`` does differently from ``base``, one technique a line, as ``"sharding none →
+    zero2"`` (the labels of the report's technique effects); micro-batch and accumulation as one."""
+    out: list[str] = []
+    if (base.method, base.lora_rank) != (other.method, other.lora_rank):
+        out.append(f"method {_method_label(base)} → {_method_label(other)}")
+    for name in ("lora_targets", "lora_dropout", "precision", "optimizer", "checkpointing", "attention", "sharding"):
+        a, b = getattr(base, name), getattr(other, name)
+        if a != b and not (name.startswith("lora_") and not (base.is_peft and other.is_peft)):
+            out.append(f"{name.replace('_', ' ')} {_plain(a)} → {_plain(b)}")
+    if (base.offload, base.offload_device) != (other.offload, other.offload_device):
+        out.append(f"offload {_offload_label(base)} → {_offload_label(other)}")
+    for name in ("fused_loss", "packing"):
+        a, b = getattr(base, name), getattr(other, name)
+        if a != b:
+            out.append(f"{name.replace('_', ' ')} {'on' if a else 'off'} → {'on' if b else 'off'}")
+    if (base.micro_batch, base.grad_accum) != (other.micro_batch, other.grad_accum):
+        out.append(f"mb{base.micro_batch}×ga{base.grad_accum} → mb{other.micro_batch}×ga{other.grad_accum}")
+    return tuple(out)
+
+
+def _method_label(plan: Plan) -> str:
+    return f"{plan.method.value} r{plan.lora_rank}" if plan.is_peft else plan.method.value
+
+
+def _offload_label(plan: Plan) -> str:
+    return "none" if plan.offload is Offload.NONE else f"{plan.offload.value}→{plan.offload_device.value}"

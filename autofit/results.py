@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from autofit.plan import Plan
+from autofit.plan import Plan, complexity, plan_changes
 from autofit.specs import Target
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "temporary", "logits", "overhead")
@@ -170,10 +170,13 @@ class TrialResult:
 
 # -- a study's answer -----------------------------------------------------------------------------
 # The rule, in one place: per plan, its most faithful evaluation counts (the latest among
-# equally faithful ones); the answer is the fastest of those that fit, and among equally
-# fast ones the plan evaluated first (so a measurement that confirms a prediction never
-# demotes its plan). ``autofit.store.store`` states the same rule in SQL for queries
-# across studies (a test holds the two together).
+# equally faithful ones). Two fitting plans whose speeds are within the time model's error
+# (:func:`time_error`) are a tie: the answer is the simplest plan (``autofit.plan.complexity``)
+# among those tied with the fastest, the faster of equally simple ones, then the plan evaluated
+# first (so a measurement that confirms a prediction never demotes its plan). The rest follow
+# fastest first. ``autofit.store.store`` selects each plan's authoritative fitting rows in SQL
+# and applies this rule to them (``ranked_among``) for its queries across studies
+# (``best_trial``, ``list_studies``); a test holds the two together.
 def authoritative(results: Iterable[TrialResult]) -> tuple[tuple[TrialResult, ...], dict[str, tuple[TrialResult, ...]]]:
     """One result per plan (the most faithful; the latest among equals), in the order plans
     first appear, and every evaluation by plan (one per evaluator, the latest, least faithful
@@ -199,19 +202,148 @@ def authoritative(results: Iterable[TrialResult]) -> tuple[tuple[TrialResult, ..
     return tuple(chosen), evaluations
 
 
+# The relative error within which two tokens/s figures of an evaluator cannot be told apart, where
+# a result does not state its own (``extra["time_error"]``). A measurement's is its noise floor
+# between runs of one plan; the analytic and simulated ones, their roofline's error.
+DEFAULT_TIME_ERROR = {"analytic": 0.15, "simulated": 0.15, "measured": 0.03}
+
+
+def time_error(result: TrialResult) -> float:
+    """The relative error of ``result``'s tokens/s (0.12: ±12%): ``extra["time_error"]`` where the
+    evaluator states it, else :data:`DEFAULT_TIME_ERROR` (0 for an evaluator it lacks). A
+    measurement's is at least its noise floor, and wider where its own timings say so: twice the
+    relative standard error of the mean of its timed steps, and the relative range of its
+    runs where the plan was measured again (``extra["runs_tokens_per_sec"]``)."""
+    extra = result.extra or {}
+    if extra.get("time_error") is not None:
+        return float(extra["time_error"])
+    error = DEFAULT_TIME_ERROR.get(result.evaluator, 0.0)
+    if result.evaluator == "measured":
+        runs = extra.get("runs_tokens_per_sec") or ()
+        error = max(error, _mean_spread(extra.get("step_times_s") or ()), _range(runs))
+    return error
+
+
+def _mean_spread(times: Iterable[float]) -> float:
+    """Twice the standard error of the mean of ``times``, relative to the mean (0 under two)."""
+    xs = [float(t) for t in times]
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mean = sum(xs) / n
+    if mean <= 0:
+        return 0.0
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    return 2.0 * (var / n) ** 0.5 / mean
+
+
+def _range(values: Iterable[float]) -> float:
+    """(max - min) / mean of ``values`` (0 under two)."""
+    xs = [float(v) for v in values]
+    if len(xs) < 2 or sum(xs) <= 0:
+        return 0.0
+    return (max(xs) - min(xs)) / (sum(xs) / len(xs))
+
+
+def tied(faster: TrialResult, slower: TrialResult) -> bool:
+    """Whether ``slower`` is within the time error of ``faster``: its tokens/s at least
+    ``faster``'s / (1 + e), e the larger of the two results' :func:`time_error`."""
+    e = max(time_error(faster), time_error(slower))
+    return slower.tokens_per_sec >= faster.tokens_per_sec / (1.0 + e)
+
+
 def ranked(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
-    """A study's fitting plans, fastest first, each by its most faithful evaluation; among
-    equally fast ones the plan that appears first in ``results`` (the store's order: trial
-    number, then id). ``ranked(...)[0]`` is the study's answer (see :func:`winner`)."""
+    """A study's fitting plans, each by its most faithful evaluation: first the answer, the
+    simplest plan (``autofit.plan.complexity``) among those :func:`tied` with the fastest (the
+    faster of equally simple ones), then the others fastest first; among equally fast ones, the
+    plan that appears first in ``results`` (the store's order: trial number, then id).
+    ``ranked(...)[0]`` is the study's answer (see :func:`winner`)."""
     chosen, _ = authoritative(results)
-    return tuple(sorted((r for r in chosen if r.fits and r.throughput is not None), key=lambda r: -r.tokens_per_sec))
+    return ranked_among(chosen)
+
+
+def ranked_among(chosen: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
+    """:func:`ranked`'s order over results that already count as their plans' evaluations
+    (``authoritative``'s choice, or the store's rows of it across studies, where one plan may
+    appear once per study): no two of them are merged."""
+    fastest_first = sorted((r for r in chosen if r.fits and r.throughput is not None), key=lambda r: -r.tokens_per_sec)
+    if not fastest_first:
+        return ()
+    top = fastest_first[0]
+    ties = [r for r in fastest_first if tied(top, r)]
+    answer = min(ties, key=lambda r: complexity(r.plan))  # min keeps the first (the fastest) of equals
+    return (answer, *(r for r in fastest_first if r is not answer))
 
 
 def winner(results: Iterable[TrialResult]) -> TrialResult | None:
-    """The answer of a study: the fastest plan that fits, a measurement superseding the
-    predictions of the same plan. One of the given objects (``is`` finds its row), or None."""
+    """The answer of a study: the simplest fitting plan within the time error of the fastest,
+    a measurement superseding the predictions of the same plan. One of the given objects (``is``
+    finds its row), or None."""
     best = ranked(results)
     return best[0] if best else None
+
+
+def best_per_method(results: Iterable[TrialResult]) -> dict[str, TrialResult]:
+    """The answer among each method's plans (:func:`ranked`'s rule, method by method), the
+    answer's method first, then by how each method's first plan ranks."""
+    by_method: dict[str, list[TrialResult]] = {}
+    for r in ranked(results):
+        by_method.setdefault(r.plan.method.value, []).append(r)
+    return {m: ranked(rs)[0] for m, rs in by_method.items()}
+
+
+@dataclass(frozen=True)
+class Tiebreak:
+    """Why the answer is the plan it is: the fastest plan by its figures, the plans tied with it,
+    and what the fastest does differently from the answer with the gain it is predicted to buy."""
+
+    answer: TrialResult
+    fastest: TrialResult  # the fastest fitting plan (the answer itself when no simpler one ties)
+    ties: tuple[TrialResult, ...]  # the plans within the time error of the fastest, fastest first
+    error: float  # the relative time error the answer and the fastest are compared with
+
+    @property
+    def gain(self) -> float:
+        """How much faster the fastest plan is than the answer (0.01: 1%)."""
+        a = self.answer.tokens_per_sec
+        return self.fastest.tokens_per_sec / a - 1.0 if a else 0.0
+
+    @property
+    def changes(self) -> tuple[str, ...]:
+        """What the fastest plan does differently from the answer (``autofit.plan.plan_changes``)."""
+        return plan_changes(self.answer.plan, self.fastest.plan)
+
+    @property
+    def simpler(self) -> bool:
+        """Whether the answer is a simpler plan than the fastest one."""
+        return self.answer is not self.fastest
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "answer_plan_id": self.answer.plan.plan_id,
+            "fastest_plan_id": self.fastest.plan.plan_id,
+            "fastest": self.fastest.as_dict() if self.simpler else None,
+            "fastest_tokens_per_sec": self.fastest.tokens_per_sec,
+            "fastest_evaluator": self.fastest.evaluator,
+            "gain": self.gain,
+            "time_error": self.error,
+            "within_error": self.simpler,
+            "changes": list(self.changes),
+            "ties": len(self.ties),
+        }
+
+
+def tiebreak(results: Iterable[TrialResult]) -> Tiebreak | None:
+    """The answer of :func:`ranked` beside the fastest plan (None when nothing fits)."""
+    best = ranked(results)
+    if not best:
+        return None
+    answer = best[0]
+    fastest = max(best, key=lambda r: r.tokens_per_sec)  # the first of equally fast ones
+    if fastest.tokens_per_sec == answer.tokens_per_sec:
+        fastest = answer
+    ties = tuple(r for r in sorted(best, key=lambda r: -r.tokens_per_sec) if tied(fastest, r))
+    return Tiebreak(answer, fastest, ties, max(time_error(answer), time_error(fastest)))
 
 
 def judge(memory: MemoryAnatomy, ctx: Target) -> tuple[Status, str]:

@@ -1,7 +1,17 @@
-"""autofit's memory estimates against published, measured training runs.
+"""autofit's memory and throughput estimates against published, measured training runs.
 
     python benchmarks/published_runs.py [--evaluators analytic,simulated] [--jobs 2]
                                         [--rows 1,2,339] [--out benchmarks/results/FILE]
+    python benchmarks/published_runs.py --throughput [--fit [--write-params]]
+                                        [--evaluators analytic,simulated --rows ...]
+
+``--throughput`` compares tokens/s (or samples/s, in the row's unit) on every throughput
+row instead (``_throughput.py`` says how each source's rows are read): the median |error|,
+the share within ×0.67–×1.5 and the pairwise order of rows of one model and GPU type, for
+the analytic evaluator on every row and the simulated one on ``--rows``. ``--fit`` fits the
+time model's rates on every row and again leaving each source out; ``--write-params``
+stores the fit in ``autofit/evaluators/time_model.json`` (docs/EVALUATORS.md, "The time
+model").
 
 Every memory row of ``../shared/reference-runs/published_runs.csv`` (397 runs from 10
 public projects; ``SOURCES.md`` says where each comes from) is mapped to an autofit
@@ -41,6 +51,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import _throughput as speed  # noqa: E402 - beside this file
 
 from autofit.specs import MODELS, ModelSpec  # noqa: E402 - after the path above
 
@@ -488,7 +500,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--evaluators", default="analytic,simulated")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--rows", default="", help="comma-separated row ids (default: every memory row)")
+    ap.add_argument("--rows", default="", help="comma-separated row ids (default: every memory or throughput row)")
     ap.add_argument("--out", default="", help="write the markdown report here (and FILE.json beside it)")
     ap.add_argument(
         "--reuse",
@@ -501,9 +513,25 @@ def main() -> None:
         action="store_true",
         help="store the 95%% fit margins and the allocator fragmentation in autofit/evaluators/evidence.json",
     )
+    ap.add_argument(
+        "--throughput",
+        action="store_true",
+        help="compare tokens/s instead of memory (every throughput row; analytic, and simulated on --rows)",
+    )
+    ap.add_argument(
+        "--fit", action="store_true", help="with --throughput: fit the time model's rates, and leave one source out"
+    )
+    ap.add_argument(
+        "--write-params",
+        action="store_true",
+        help="with --fit: store the fitted rates in autofit/evaluators/time_model.json",
+    )
     args = ap.parse_args()
     evaluators = [e for e in args.evaluators.split(",") if e]
     rows = list(csv.DictReader(open(CSV, encoding="utf-8")))
+    if args.throughput:
+        speed_main(args, rows, evaluators)
+        return
     wanted = {int(x) for x in args.rows.split(",") if x}
     cases = [c for r in rows if (c := to_case(r)) is not None and (not wanted or c.id in wanted)]
     for path in args.reuse:
@@ -538,6 +566,213 @@ def main() -> None:
         Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": dump}, indent=1))
     if args.write_evidence:
         write_evidence(cases, summary, evaluators)
+
+
+# -- throughput ----------------------------------------------------------------------------
+def _speed_simulated(case) -> tuple[int, Any]:
+    """The simulated evaluator's work for a throughput case: its traced step's ops with the
+    engine's collectives (run in a worker process; priced in the parent under any rates)."""
+    from autofit.evaluators import simulated
+
+    try:
+        plan, target = speed.build(case, GPU_NAMES)
+        trace = simulated.run_trace(target.model, plan, target.workload, simulated.TraceDevice.of(target.cluster.gpu))
+        return case.id, simulated.step_work(trace, plan, target)
+    except Exception as e:  # noqa: BLE001 - a row that cannot be traced is reported as such
+        return case.id, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
+    """Predicted tokens/s against every throughput row; with --fit, the rates fitted on all
+    rows and leaving each source out (``benchmarks/_throughput.py``)."""
+    from autofit.evaluators import analytic
+    from autofit.evaluators.timing import default_params
+
+    wanted = {int(x) for x in args.rows.split(",") if x}
+    cases = [c for r in rows if (c := speed.to_speed_case(r, _model, OPTIMIZERS, SOURCE_SETUP)) is not None]
+    live = [c for c in cases if not c.out]
+    clusters = {}
+    for c in live:
+        plan, target = speed.build(c, GPU_NAMES)
+        c.work = analytic.work(plan, target)
+        if c.kernel:
+            c.work = dataclasses.replace(c.work, attention_kernel=c.kernel)
+        clusters[c.id] = target.cluster
+    params = default_params()
+    for cid, pred in speed.predict(live, params, clusters).items():
+        next(c for c in live if c.id == cid).predicted["analytic"] = pred
+    sim_cases = [c for c in live if c.id in wanted] if "simulated" in evaluators else []
+    sim_work: dict[int, Any] = {}
+    t0 = time.perf_counter()
+    if sim_cases:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for i, (cid, work) in enumerate(pool.map(_speed_simulated, sim_cases), 1):
+                case = next(c for c in sim_cases if c.id == cid)
+                if isinstance(work, str):
+                    case.notes.append(f"simulated: {work}")
+                else:
+                    if case.kernel:
+                        work = dataclasses.replace(work, attention_kernel=case.kernel)
+                    sim_work[cid] = work
+                print(f"  [{i}/{len(sim_cases)}] row {cid} simulated", file=sys.stderr, flush=True)
+        sim_cases = [c for c in sim_cases if c.id in sim_work]
+        for cid, pred in speed.predict(sim_cases, params, clusters, sim_work).items():
+            next(c for c in sim_cases if c.id == cid).predicted["simulated"] = pred
+    took = time.perf_counter() - t0
+    sources = sorted({c.source for c in live})
+    summary: dict[str, Any] = {}
+    lines = [
+        "| source | evaluator | rows | median abs error | median error | within ×0.67–×1.5 | pairs | order right |"
+    ]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def add(label: str, ev: str, sub: list, predicted: dict[int, float] | None = None) -> None:
+        f = speed.speed_figures(sub, ev, predicted)
+        summary[f"{ev}/{label}"] = f
+        if f["rows"]:
+            order = f"{f['pairwise']:.0%}" if f["pairwise"] is not None else "–"
+            lines.append(
+                f"| {label} | {ev} | {f['rows']} | {f['median_abs_error']:.1%} | {f['median_error']:+.1%} "
+                f"| {f['within']:.0%} | {f['pairs']} | {order} |"
+            )
+
+    for ev in ["analytic", *(["simulated"] if sim_cases else [])]:
+        pool_ = live if ev == "analytic" else sim_cases
+        for src in [*sources, "all"]:
+            add(src, ev, [c for c in pool_ if src in ("all", c.source)])
+    fit_lines: list[str] = []
+    if args.fit:
+        fitted, names, fval = speed.fit(live, speed.priors(), clusters, GPU_NAMES)
+        all_fit = speed.predict(live, fitted, clusters)
+        loso: dict[int, float] = {}
+        per_source: dict[str, dict[str, Any]] = {}
+        for src in sources:
+            train = [c for c in live if c.source != src]
+            held = [c for c in live if c.source == src]
+            p_src, _, _ = speed.fit(train, speed.priors(), clusters, GPU_NAMES)
+            loso.update(speed.predict(held, p_src, clusters))
+            print(f"  left out {src}", file=sys.stderr, flush=True)
+        for src in [*sources, "all"]:
+            sub = [c for c in live if src in ("all", c.source)]
+            add(src, "analytic, fitted", sub, all_fit)
+            f = speed.speed_figures(sub, "x", loso)
+            summary[f"loso/{src}"] = f
+            per_source[src] = f
+            order = f"{f['pairwise']:.0%}" if f.get("pairwise") is not None else "–"
+            lines.append(
+                f"| {src} | analytic, fitted without {'its source' if src != 'all' else 'each row’s source'} "
+                f"| {f['rows']} | {f['median_abs_error']:.1%} | {f['median_error']:+.1%} | {f['within']:.0%} "
+                f"| {f['pairs']} | {order} |"
+            )
+        for c in live:
+            c.predicted["fitted"] = all_fit[c.id]
+            c.predicted["loso"] = loso[c.id]
+        if sim_cases:  # the simulator's work under the rates fitted on the analytic work
+            sim_fit = speed.predict(sim_cases, fitted, clusters, sim_work)
+            for c in sim_cases:
+                c.predicted["simulated, fitted"] = sim_fit[c.id]
+            add("all", "simulated, fitted", sim_cases, sim_fit)
+            add("all", "analytic, fitted (same rows)", sim_cases, all_fit)
+        fit_lines = ["", "## Fitted rates", "", "| rate | prior | fitted |", "|---|---:|---:|"]
+        fit_lines += [f"| {n} | {speed._get(speed.priors(), n):.4g} | {speed._get(fitted, n):.4g} |" for n in names]
+        fit_lines += ["", f"Loss (mean over sources of the mean |log(pred/measured)|): {fval:.4f}."]
+        if args.write_params:
+            write_params(fitted, names, summary, len(live))
+    out_rows = [c for c in cases if c.out]
+    text = [
+        f"# Published runs vs autofit: throughput ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"`python benchmarks/published_runs.py --throughput{' --fit' if args.fit else ''}`: {len(cases)} throughput "
+        f"rows, {len(live)} expressed, {len(out_rows)} out"
+        + (f"; simulated on {len(sim_cases)} rows in {took:.0f} s on {os.cpu_count()} cores" if sim_cases else "")
+        + ".",
+        "error = predicted / measured - 1 in the row's unit (tokens/s per GPU, or samples/s). Order: for every two",
+        "rows of the same model, GPU type and unit whose measured figures differ by more than 2%, is the faster",
+        "predicted faster?",
+        "",
+        *lines,
+        *fit_lines,
+        "",
+        "## Rows autofit cannot express",
+        "",
+        *[f"- row {c.id} ({c.source}, {c.model}): {c.out}" for c in out_rows],
+        "",
+        "## Every row",
+        "",
+        *speed_row_table(live),
+    ]
+    print("\n".join(text))
+    if args.out:
+        Path(args.out).write_text("\n".join(text) + "\n")
+        dump = [
+            {
+                "id": c.id,
+                "source": c.source,
+                "model": c.model,
+                "gpus": c.gpus,
+                "unit": c.unit,
+                "measured": c.measured,
+                "predicted": c.predicted,
+                "notes": c.notes,
+                "out": c.out,
+                "request": {**c.request, "spec": c.request["spec"].name} if c.request else {},
+            }
+            for c in cases
+        ]
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": dump}, indent=1))
+
+
+def speed_row_table(cases) -> list[str]:
+    evs = ["analytic", "simulated", "fitted", "simulated, fitted", "loso"]
+    shown = [e for e in evs if any(e in c.predicted for c in cases)]
+    lines = ["| row | source | model | GPUs | plan | measured | " + " | ".join(shown) + " | notes |"]
+    lines.append("|" + "---|" * (7 + len(shown)))
+    for c in cases:
+        p = c.request["plan"]
+        desc = f"{p['method']} mb{p['micro_batch']}×ga{p['grad_accum']} s{c.request['seq_len']} {p['checkpointing']} {p['sharding']} {p['attention']}"
+        cells = [
+            f"{c.predicted[e]:.4g} ({c.predicted[e] / c.measured - 1:+.0%})" if e in c.predicted else "–" for e in shown
+        ]
+        lines.append(
+            f"| {c.id} | {c.source} | {c.model} | {c.gpus} | {desc} | {c.measured:g} {c.unit} | "
+            + " | ".join(cells)
+            + f" | {'; '.join(c.notes)} |"
+        )
+    return lines
+
+
+def _rounded(d: dict[str, Any]) -> dict[str, Any]:
+    """Floats to 4 significant digits (a fit is not more precise than that)."""
+    return {
+        k: (_rounded(v) if isinstance(v, dict) else float(f"{v:.4g}") if isinstance(v, float) else v)
+        for k, v in d.items()
+    }
+
+
+def write_params(fitted, names: list[str], summary: dict[str, Any], rows: int) -> None:
+    """Store the fitted rates and their provenance in ``autofit/evaluators/time_model.json``."""
+    path = ROOT / "autofit" / "evaluators" / "time_model.json"
+    data = _rounded(fitted.as_dict())
+    loso, fit_all = summary["loso/all"], summary["analytic, fitted/all"]
+    data["provenance"] = {
+        "source": "benchmarks/published_runs.py --throughput --fit --write-params over "
+        "../shared/reference-runs/published_runs.csv",
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+        "fitted": names,
+        "priors": "every other rate: no published row constrains it (docs/EVALUATORS.md, 'The time model')",
+        "fitted_on_all": _rounded(
+            {k: fit_all[k] for k in ("median_abs_error", "within", "pairwise", "pair_ratio_error")}
+        ),
+        "leave_one_source_out": _rounded(
+            {k: loso[k] for k in ("median_abs_error", "within", "pairwise", "pair_ratio_error")}
+        ),
+        # two plans whose predictions are closer than this are a tie (timing.time_error): the
+        # median error of the predicted ratio of two rows of one model and GPU type, left out
+        "error": {"analytic": round(loso["pair_ratio_error"], 4), "simulated": round(loso["pair_ratio_error"], 4)},
+    }
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
 
 
 def _jsonable(request: dict[str, Any]) -> dict[str, Any]:

@@ -75,3 +75,51 @@ def test_lora_targets_cover_their_parts():
 
     assert LoraTargets.ALL_LINEAR.covers("attention") and LoraTargets.ALL_LINEAR.covers("mlp")
     assert LoraTargets.ATTENTION.covers("attention") and not LoraTargets.ATTENTION.covers("mlp")
+
+
+# -- how simple a plan is ---------------------------------------------------------------------------
+def test_complexity_orders_offload_then_sharding_then_moving_parts_then_the_micro_batch():
+    from autofit.plan import complexity, moving_parts
+
+    plain = Plan(micro_batch=4, grad_accum=4)
+    order = [
+        plain,  # plain training, the largest micro-batch
+        plain.replace(micro_batch=2, grad_accum=8),  # more accumulation
+        plain.replace(checkpointing="full", fused_loss=True),  # two moving parts
+        plain.replace(sharding="zero1"),  # DeepSpeed where plain/DDP training would do
+        plain.replace(sharding="zero2"),
+        plain.replace(sharding="fsdp"),
+        plain.replace(sharding="zero3"),
+        plain.replace(sharding="zero2", offload="optimizer"),  # offload: host memory, CPU Adam
+        plain.replace(sharding="zero3", offload="optimizer+params"),
+        plain.replace(sharding="zero3", offload="optimizer+params", offload_device="nvme"),
+    ]
+    assert sorted(order, key=complexity) == order
+    assert len({complexity(p) for p in order}) == len(order)
+    # the moving parts, counted: QLoRA is LoRA and 4-bit weights, a paged 8-bit optimizer two parts
+    assert moving_parts(plain) == ()
+    assert (
+        len(moving_parts(Plan(method="qlora", lora_rank=16)))
+        == 2
+        > len(moving_parts(Plan(method="lora", lora_rank=16)))
+    )
+    assert len(moving_parts(plain.replace(optimizer="paged-adamw-8bit"))) == 2
+    assert moving_parts(plain.replace(attention="flash2", packing=True)) == ("flash2 attention", "packing")
+    assert moving_parts(plain.replace(attention="eager", precision="bf16-true")) == ()  # torch's own kernels
+
+
+def test_plan_changes_name_each_technique_that_differs():
+    from autofit.plan import plan_changes
+
+    simple = Plan(method="lora", lora_rank=16, micro_batch=2, grad_accum=8, fused_loss=True)
+    fancy = simple.replace(sharding="zero2", offload="optimizer", micro_batch=4, grad_accum=4)
+    assert plan_changes(simple, fancy) == (
+        "sharding none → zero2",
+        "offload none → optimizer→cpu",
+        "mb2×ga8 → mb4×ga4",
+    )
+    assert plan_changes(simple, simple) == ()
+    assert plan_changes(Plan(), Plan(method="qlora", lora_rank=8, fused_loss=True)) == (
+        "method full → qlora r8",
+        "fused loss off → on",
+    )

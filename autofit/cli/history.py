@@ -67,7 +67,8 @@ def show(study, db_url, as_json):
 @json_option
 @handle_errors
 def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
-    """The fastest stored plan that fits this request, across studies, without running anything."""
+    """The answer among stored plans that fit this request, across studies (the simplest within the
+    time error of the fastest), without running anything."""
     from autofit.search.request import build_cluster
     from autofit.specs import resolve_model
     from autofit.store import Store

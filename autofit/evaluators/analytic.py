@@ -29,9 +29,9 @@ import functools
 import time
 from dataclasses import dataclass
 
-from autofit.evaluators import costs
+from autofit.evaluators import costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
-from autofit.plan import Attention, Checkpointing, Method, Optimizer, Plan
+from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.techniques import dtype_layout
@@ -834,72 +834,156 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
     act = _activations(model, plan, ctx, blk, masked, t_mem, s)
     ms = _model_states(model, plan, ctx)
     memory, phase = _anatomy(_moments(model, plan, act, ms, blk, t_mem, s), ctx, ms.st)
-    return Estimate(memory, _throughput(plan, ctx, ms.sb, t_time, keys, act.block), phase)
+    throughput = timing.throughput(
+        step_work(plan, ctx, ms.sb, t_time, keys, act.block), cluster, workload.tokens_per_step()
+    )
+    return Estimate(memory, throughput, phase)
 
 
-def _throughput(
-    plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys: float, block_bytes: float
-) -> Throughput:
-    """Roofline time of one optimizer step: matmul FLOPs at the size's efficiency, the
-    elementwise, logits, dequantization and autocast-cast traffic at memory bandwidth,
-    exposed communication and offload, and the optimizer step."""
+def work(plan: Plan, ctx: Target) -> timing.StepWork:
+    """The step's work alone (what ``benchmarks/published_runs.py`` prices under other rates)."""
+    model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
+    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
+    t_mem, s, t_time, keys = _tokens(plan, workload)
+    blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
+    act = _activations(model, plan, ctx, blk, masked, t_mem, s)
+    return step_work(plan, ctx, costs.state_bytes(model, plan), t_time, keys, act.block)
+
+
+# Kernels one block issues, as counted in the simulator's traced steps of Llama-3.2-1B
+# (bf16, sdpa, micro-batch 1; ``benchmarks/published_runs.py`` prints the count of every
+# traced row): forward ~40, backward ~73 (weight gradients included), +10 forward / +16
+# backward under autocast (the casts), +4 forward and +4 backward per LoRA-adapted Linear.
+KERNELS_FWD, KERNELS_BWD = 40, 73
+KERNELS_AUTOCAST_FWD, KERNELS_AUTOCAST_BWD = 10, 16
+KERNELS_PER_ADAPTER = 4
+KERNELS_HEAD = 10  # head, loss and its backward, each way
+
+
+def step_work(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys: float, block_bytes: float):
+    """One rank's step as ``timing.StepWork``: every GEMM of the blocks, the head and the
+    adapters with its shape; attention FLOPs by kernel; the elementwise, logits,
+    dequantization and autocast-cast traffic; the kernels issued; the engine's collectives
+    and host traffic."""
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
     lay = dtype_layout(plan)
-    gpu = cluster.gpu
     L = model.num_layers
-    head_params = model.vocab_size * model.hidden_size + (
-        model.hidden_size**2 if model.family.task == "masked-lm" else 0
-    )
-    block_mm = model.linear_params()
+    cb = lay.compute_bytes
+    T = tokens
+    ckpt = plan.checkpointing is Checkpointing.FULL
+    full = plan.method is Method.FULL
+    block, head, adapters = _gemms(model, plan, T, cb)
+    n_adapted = len(adapters) // 2
     causal = model.family.task == "causal-lm"
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
-    attn_fwd = 4 * tokens * attended * model.q_dim * L
-    fwd = 2 * tokens * (block_mm + head_params) + attn_fwd
-    trainable = plan.method is Method.FULL
-    bwd_mm = 2 * tokens * (block_mm + head_params) * (2 if trainable else 1)
-    bwd = bwd_mm + attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
-    if plan.is_peft:
-        n_t = sb.trainable_weights / sb.param_elem_bytes
-        fwd += 2 * tokens * n_t
-        bwd += 4 * tokens * n_t
-    recompute = (2 * tokens * block_mm + attn_fwd) if plan.checkpointing is Checkpointing.FULL else 0.0
-    flops = fwd + bwd + recompute
+    attn_fwd = 4 * T * attended * model.q_dim * L
+    attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
 
-    peak = gpu.peak_flops(costs.compute_dtype(plan))
-    eff = costs.matmul_efficiency(tokens)
-    mem_bw = gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY
-    # elementwise traffic: activations written in forward and read in backward, their
-    # grads written and read; the logits path; eager's s² tensors are in block_bytes
-    elementwise = 4 * block_bytes * L * (1.5 if plan.checkpointing is Checkpointing.FULL else 1.0)
-    logits_traffic = 0 if plan.fused_loss else (lay.compute_bytes + 16) * model.vocab_size * tokens
-    dequant = 0.0
-    uses = 3 if plan.checkpointing is Checkpointing.FULL else 2  # forward, backward (+ recompute)
-    if plan.method is Method.QLORA:  # read 4-bit, write 16-bit, per use
-        dequant = model.linear_params() * (costs.NF4_BYTES_PER_PARAM + 2) * uses
-    casts = 0.0
-    if lay.autocasts and plan.method is Method.FULL:
-        # autocast reads each fp32 weight and writes its 16-bit copy per forward (and
-        # recompute); backward casts the 16-bit weight gradients back to fp32
-        casts = (block_mm + head_params) * (4 + 2) * uses
-    micro_s = flops / (peak * eff) + (elementwise + logits_traffic + dequant + casts) / mem_bw
-    backward_s = (bwd + recompute) / (peak * eff)
-    comm = costs.comm_time(plan, model, cluster, sb, backward_s)
-    opt_s = costs.optimizer_step_bytes(plan, sb) / mem_bw
-    if plan.zero_stage >= 1 or plan.engine == "fsdp":
-        opt_s /= cluster.world_size  # every rank steps only its shard of the states
-    ga = plan.grad_accum
-    step = ga * (micro_s + comm.per_micro_batch) + opt_s + comm.per_step + comm.offload
-    compute_s = ga * micro_s + opt_s
-    model_flops = ga * (fwd + bwd)
-    return Throughput(
-        tokens_per_sec=workload.tokens_per_step() / step,
-        step_time_s=step,
-        compute_s=compute_s,
-        comm_s=ga * comm.per_micro_batch + comm.per_step,
-        offload_s=comm.offload,
-        flops_per_step=ga * flops,
-        mfu=model_flops / (step * peak),
+    # memory-bound traffic: activations written in forward and read in backward, their
+    # gradients written and read (eager's s² tensors are in block_bytes); the logits path
+    elementwise = block_bytes * L
+    logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
+    dequant = model.linear_params() * (costs.NF4_BYTES_PER_PARAM + 2) if plan.method is Method.QLORA else 0.0
+    head_params = model.vocab_size * model.hidden_size
+    # autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute);
+    # backward casts the 16-bit weight gradients back to fp32
+    casts = (model.linear_params() + head_params) * 6 if lay.autocasts and full else 0.0
+    k_fwd = KERNELS_FWD + (KERNELS_AUTOCAST_FWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    k_bwd = KERNELS_BWD + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    forward = timing.PhaseWork(
+        gemms=(*block, *head, *adapters),
+        attention=attn_fwd,
+        memory_bytes=1.5 * elementwise + logits / 2 + dequant + casts,
+        kernels=L * k_fwd + KERNELS_HEAD,
     )
+    weight_grads = (*block, *head) if full else ()
+    backward = timing.PhaseWork(
+        gemms=(*block, *head, *weight_grads, *adapters, *adapters, *((*block, *adapters) if ckpt else ())),
+        attention=attn_bwd + (attn_fwd if ckpt else 0.0),
+        memory_bytes=(2.5 + (1.5 if ckpt else 0.0)) * elementwise
+        + logits / 2
+        + dequant * (2 if ckpt else 1)
+        + (casts if ckpt else 0.0),
+        kernels=L * (k_bwd + (k_fwd if ckpt else 0)) + KERNELS_HEAD,
+    )
+    dp = cluster.world_size
+    sharded = plan.zero_stage >= 1 or plan.engine == "fsdp"
+    opt_bytes = costs.optimizer_step_bytes(plan, sb) / (dp if sharded else 1)
+    tensors = _trainable_tensors(model, plan, n_adapted)
+    optimizer = timing.PhaseWork(
+        memory_bytes=opt_bytes,
+        kernels=0 if plan.offload is not Offload.NONE else _optimizer_kernels(plan, tensors),
+    )
+    tw = costs.transfer_work(plan, model, cluster, sb)
+    model_flops = forward.gemm_flops + attn_fwd + backward.gemm_flops + attn_bwd
+    if ckpt:
+        model_flops -= sum(f * n for f, _, _, n in (*block, *adapters)) + attn_fwd
+    return timing.StepWork(
+        dtype=costs.compute_dtype(plan),
+        attention_kernel=attention_kernel(model, plan, workload, cluster),
+        forward=forward,
+        backward=backward,
+        optimizer=optimizer,
+        micro_batches=plan.grad_accum,
+        collectives=tw.collectives,
+        host_bytes_step=tw.host_bytes_step,
+        host_bytes_micro=tw.host_bytes_micro,
+        cpu_optimizer_params=tw.cpu_optimizer_params,
+        nvme_bytes=tw.nvme_bytes,
+        model_flops=plan.grad_accum * model_flops,
+    )
+
+
+Gemm = tuple[float, float, float, float]  # timing.PhaseWork's (flops, bytes, smallest dim, count)
+
+
+def _gemms(model: ModelSpec, plan: Plan, tokens: float, elem_bytes: int) -> tuple[list[Gemm], list[Gemm], list[Gemm]]:
+    """The forward GEMMs of a micro-batch of ``tokens``: the blocks' Linears, the head, and
+    each LoRA adapter's two (down to the rank and back up)."""
+    L, T = model.num_layers, tokens
+
+    def gemm(i: float, o: float, count: float) -> Gemm:
+        return (2 * T * i * o, (T * i + i * o + T * o) * elem_bytes, min(T, i, o), count)
+
+    block = [gemm(i, o, L) for _, i, o, _ in model.linears()]
+    head = [gemm(model.hidden_size, model.vocab_size, 1)]
+    if model.family.task == "masked-lm":
+        head.append(gemm(model.hidden_size, model.hidden_size, 1))
+    adapters: list[Gemm] = []
+    if plan.is_peft:
+        r = plan.lora_rank or 0
+        for _, i, o, part in model.linears():
+            if plan.lora_targets.covers(part):
+                adapters += [gemm(i, r, L), gemm(r, o, L)]
+    return block, head, adapters
+
+
+def attention_kernel(model: ModelSpec, plan: Plan, workload: Workload, cluster) -> str:
+    """The attention kernel a plan runs, by ``timing.ATTENTION_KERNELS`` name."""
+    if plan.attention is Attention.EAGER:
+        return "eager"
+    if plan.attention is Attention.FLASH2:
+        return "flash"
+    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
+    gpu = cluster.gpu
+    return sdpa_kernel(model, plan, masked, gpu.kind == "cpu", gpu.compute_capability)
+
+
+def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: int) -> int:
+    if plan.is_peft:
+        return 2 * n_adapted * model.num_layers
+    return model.num_layers * (len(model.linears()) + 2) + 2
+
+
+def _optimizer_kernels(plan: Plan, tensors: int) -> float:
+    """Kernels of the optimizer step: torch's fused AdamW steps every tensor in a few
+    multi-tensor launches (6 in the traced steps); bitsandbytes' 8-bit optimizers launch one
+    kernel per tensor; Adafactor (``foreach=False``) and SGD about ten small ops per tensor."""
+    if plan.optimizer is Optimizer.ADAMW:
+        return 6
+    if plan.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
+        return tensors
+    return 10 * tensors
 
 
 class AnalyticEvaluator(Evaluator):
@@ -921,5 +1005,9 @@ class AnalyticEvaluator(Evaluator):
             capacity_bytes=ctx.capacity_bytes,
             reason=reason,
             duration_s=time.perf_counter() - t0,
-            extra={"peak_phase": est.peak_phase, **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes)},
+            extra={
+                "peak_phase": est.peak_phase,
+                "time_error": timing.time_error(self.name),
+                **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes),
+            },
         )

@@ -3,13 +3,14 @@
 Both evaluators need the same answers to questions a single traced rank cannot answer:
 how many bytes the model states take in the plan's dtypes (``state_bytes``, from
 ``techniques.dtype_layout``), what sharding does to them and which buckets it adds,
-what the CUDA context, NCCL and the caching allocator add on top of the tensors, how
-long communication, offload transfers and the CPU optimizer take, and how efficient
-matmuls are at a given size. Keeping them here means the two fidelities differ only where they should: in how
-they get the per-rank tensors and FLOPs (closed form vs. a traced step).
+what the CUDA context, NCCL and the caching allocator add on top of the tensors, and
+what the engine communicates and moves to the host in a step (``transfer_work``; the
+rates it all runs at are ``timing``'s). Keeping them here means the two fidelities differ
+only where they should: in how they get the per-rank tensors and FLOPs (closed form vs. a
+traced step).
 
 The constants are defaults for hardware we cannot see from here; calibration from
-measured runs (issue "Scale out") corrects them per GPU type.
+measured runs corrects the predictions per GPU type.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from autofit.evaluators.timing import Collective
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy
 from autofit.specs import ClusterSpec, ModelSpec
@@ -33,15 +35,6 @@ NCCL_BASE_BYTES = 256 * MiB
 NCCL_PER_PEER_BYTES = 24 * MiB
 # Host memory a training process needs beyond offloaded tensors (torch, CUDA libs, data).
 HOST_PROCESS_BYTES = 3 * GiB
-
-# -- efficiency ------------------------------------------------------------------------
-MATMUL_EFFICIENCY_MAX = 0.72  # best fraction of dense peak a large bf16 GEMM reaches
-MATMUL_HALF_TOKENS = 160  # tokens per micro-batch at which GEMMs reach half of that
-MEMORY_EFFICIENCY = 0.75  # fraction of HBM/GDDR bandwidth elementwise kernels reach
-LINK_EFFICIENCY = 0.7  # bus bandwidth NCCL reaches of the link's peak
-COMM_OVERLAP = 0.6  # fraction of gradient communication hidden behind backward compute
-CPU_ADAM_PARAMS_PER_SEC = 2.0e9  # DeepSpeedCPUAdam on one node's cores
-NVME_GBPS = 3.0  # one node's NVMe read/write bandwidth
 
 
 # cuBLAS workspaces. torch gives every (cuBLAS handle, stream) pair a workspace from the
@@ -149,11 +142,6 @@ def on_device(
         device_total=total,
         host_bytes=int((host + HOST_PROCESS_BYTES) * cluster.gpus_per_node),
     )
-
-
-def matmul_efficiency(tokens: float) -> float:
-    """Fraction of peak a training GEMM with ``tokens`` rows reaches (saturating curve)."""
-    return MATMUL_EFFICIENCY_MAX * tokens / (tokens + MATMUL_HALF_TOKENS)
 
 
 def compute_dtype(plan: Plan) -> str:
@@ -369,68 +357,66 @@ def shard_states(
 
 
 # -- time --------------------------------------------------------------------------------
-def link_gbps(cluster: ClusterSpec) -> float:
-    """Bandwidth of the slowest link a collective over the whole cluster crosses."""
-    bw = cluster.gpu.intra_node_gbps
-    if cluster.nodes > 1:
-        bw = min(bw, cluster.inter_node_gbps)
-    return bw * LINK_EFFICIENCY
-
-
-def collective_seconds(nbytes: float, cluster: ClusterSpec, kind: str) -> float:
-    """Ring all-reduce / all-gather / reduce-scatter time for ``nbytes`` of payload."""
-    n = cluster.world_size
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}[kind] * (n - 1) / n
-    return factor * nbytes / (link_gbps(cluster) * 1e9)
-
-
 @dataclass(frozen=True)
-class CommTime:
-    per_micro_batch: float  # exposed seconds each micro-batch adds
-    per_step: float  # exposed seconds each optimizer step adds
-    offload: float  # host transfers and CPU optimizer, per step
+class TransferWork:
+    """What the plan's engine communicates and moves to and from the host in one step of a
+    rank (``timing.StepWork``'s collectives and host traffic)."""
+
+    collectives: tuple[Collective, ...]
+    host_bytes_step: float
+    host_bytes_micro: float
+    cpu_optimizer_params: float
+    nvme_bytes: float
 
 
-def comm_time(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, backward_s: float) -> CommTime:
-    """Exposed communication and offload time, given one micro-batch's backward time."""
+def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes) -> TransferWork:
+    """The collectives and host traffic of one rank's step, as each engine issues them.
+
+    DDP all-reduces gradient buckets during backward (torch/csrc/distributed/c10d/reducer.cpp,
+    25 MiB buckets, ``bucket_cap_mb``) once per step (``no_sync`` on the other micro-batches).
+    ZeRO-1 all-reduces at the boundary; ZeRO-2/3 reduce-scatter in ``reduce_bucket_size``
+    buckets during every backward (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py);
+    ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3 and FSDP gather each
+    block's parameters for forward and again for backward, prefetching the next block
+    (FSDP2 ``reshard_after_forward``), and FSDP reduce-scatters each block's gradients in
+    fp32 (FSDP2's default reduce dtype for fp32 parameters).
+    """
     n_train = sb.trainable_weights / sb.param_elem_bytes
     grad_payload = n_train * sb.grad_elem_bytes
-    weight_payload = sb.weights
-    per_micro = per_step = offload = 0.0
-    hidden = COMM_OVERLAP * backward_s
+    L = max(1, model.num_layers)
+    bucket = deepspeed_buckets(model)["reduce_bucket_size"] * sb.grad_elem_bytes
+    out: list[Collective] = []
+    bwd = ("backward",)
     if plan.engine == "torch":
-        per_step = max(0.0, collective_seconds(grad_payload, cluster, "all-reduce") - hidden)
+        calls = max(1.0, grad_payload / (25 * MiB))
+        out.append(Collective("all-reduce", grad_payload / calls, calls, "step", bwd))
     elif plan.engine == "deepspeed":
         stage = plan.zero_stage
+        calls = max(1.0, grad_payload / bucket)
         if stage == 1:
-            per_step = max(0.0, collective_seconds(grad_payload, cluster, "all-reduce") - hidden)
+            out.append(Collective("all-reduce", grad_payload / calls, calls, "step", bwd))
         else:
-            per_micro = max(0.0, collective_seconds(grad_payload, cluster, "reduce-scatter") - hidden)
+            out.append(Collective("reduce-scatter", grad_payload / calls, calls, "micro", bwd))
         if stage in (1, 2):
-            per_step += collective_seconds(sb.trainable_weights, cluster, "all-gather")
+            out.append(Collective("all-gather", sb.trainable_weights, 1, "step"))
         if stage == 3:
-            # parameters gathered for forward and again for backward; prefetch hides part
-            per_micro += (1 - COMM_OVERLAP) * 2 * collective_seconds(weight_payload, cluster, "all-gather")
+            out.append(Collective("all-gather", sb.weights / L, 2 * L, "micro", ("forward", "backward")))
     elif plan.engine == "fsdp":
-        per_micro = max(0.0, collective_seconds(n_train * 4, cluster, "reduce-scatter") - hidden)
-        per_micro += (1 - COMM_OVERLAP) * 2 * collective_seconds(weight_payload, cluster, "all-gather")
+        out.append(Collective("reduce-scatter", n_train * 4 / L, L, "micro", bwd))
+        out.append(Collective("all-gather", sb.weights / L, 2 * L, "micro", ("forward", "backward")))
+    host_step = host_micro = cpu = nvme = 0.0
     if plan.offload is not Offload.NONE:
-        dp = cluster.world_size
-        link = cluster.gpu.host_link_gbps * LINK_EFFICIENCY * 1e9
-        shard = n_train / dp
-        # grads down, updated 16-bit params up, once per step; the CPU steps its shard
-        transfer = shard * (sb.grad_elem_bytes + sb.param_elem_bytes) / link
-        ranks_per_node = cluster.gpus_per_node
-        cpu_step = shard * ranks_per_node / CPU_ADAM_PARAMS_PER_SEC
-        offload = transfer + cpu_step
+        shard = n_train / cluster.world_size
+        # gradients down, updated 16-bit parameters up, once per step; the node's CPU steps
+        # the shards of its ranks
+        host_step = shard * (sb.grad_elem_bytes + sb.param_elem_bytes)
+        cpu = shard * cluster.gpus_per_node
         if plan.offload_device is OffloadDevice.NVME:
-            offload += ranks_per_node * shard * 12 * 2 / (NVME_GBPS * 1e9)  # read + write fp32 states
+            nvme = cluster.gpus_per_node * shard * 12 * 2  # read and write the fp32 states
         if plan.offload is Offload.OPTIMIZER_PARAMS:
             # parameters stream from the host for forward and backward of every micro-batch
-            per_micro += 2 * (sb.weights / dp) / link
-    return CommTime(per_micro_batch=per_micro, per_step=per_step, offload=offload)
+            host_micro = 2 * sb.weights / cluster.world_size
+    return TransferWork(tuple(out), host_step, host_micro, cpu, nvme)
 
 
 def optimizer_step_bytes(plan: Plan, sb: StateBytes) -> float:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from autofit.evaluators import costs
+from autofit.evaluators import costs, timing
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Offload, Plan
@@ -300,32 +300,48 @@ def register_flash2() -> str:
 # -- the trace ---------------------------------------------------------------------------
 @dataclass
 class OpCosts:
-    """FLOPs and bytes of the steady-state step's ops, per phase, as (op, flops, bytes, dtype) rows."""
+    """The steady-state step's ops per phase, as ``(op, flops, bytes, dtype, dim)`` rows;
+    ``dim`` is a GEMM's smallest dimension (0 for other ops)."""
 
-    rows: dict[str, list[tuple[str, float, float, str]]] = field(default_factory=dict)
+    rows: dict[str, list[tuple[str, float, float, str, float]]] = field(default_factory=dict)
 
-    def add(self, phase: str, op: str, flops: float, nbytes: float, dtype: str) -> None:
-        self.rows.setdefault(phase, []).append((op, flops, nbytes, dtype))
+    def add(self, phase: str, op: str, flops: float, nbytes: float, dtype: str, dim: float = 0.0) -> None:
+        self.rows.setdefault(phase, []).append((op, flops, nbytes, dtype, dim))
 
     def flops(self, phase: str | None = None) -> float:
         phases = [phase] if phase else list(self.rows)
-        return sum(f for p in phases for _, f, _, _ in self.rows.get(p, ()))
+        return sum(r[1] for p in phases for r in self.rows.get(p, ()))
 
-    def by_op(self, phase: str, gpu: GPUSpec, tokens: float) -> dict[str, float]:
-        """Roofline seconds per op name (what dominates a phase)."""
-        out: dict[str, float] = {}
-        for op, f, b, d in self.rows.get(phase, ()):
-            out[op] = out.get(op, 0.0) + _op_seconds(f, b, d, gpu, tokens)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    def work(self, phase: str, micro_batches: int = 1) -> timing.PhaseWork:
+        """One micro-batch's share of a phase as ``timing.PhaseWork``: GEMMs with their
+        shapes (identical ones counted together), attention FLOPs, every other op's bytes
+        as memory-bound traffic, and every op as one kernel."""
+        gemms: dict[tuple[float, float, float], int] = {}
+        attention = memory = 0.0
+        rows = self.rows.get(phase, ())
+        for op, flops, nbytes, _, dim in rows:
+            if "attention" in op:
+                attention += flops
+            elif flops and dim:
+                gemms[(flops, nbytes, dim)] = gemms.get((flops, nbytes, dim), 0) + 1
+            else:
+                memory += nbytes
+        n = micro_batches
+        return timing.PhaseWork(
+            gemms=tuple((f, b, d, c / n) for (f, b, d), c in gemms.items()),
+            attention=attention / n,
+            memory_bytes=memory / n,
+            kernels=len(rows) / n,
+        )
 
-    def seconds(self, phase: str, gpu: GPUSpec, tokens: float) -> float:
-        """Roofline time: each op bound by its FLOPs or its bytes, whichever is slower."""
-        return sum(_op_seconds(f, b, d, gpu, tokens) for _, f, b, d in self.rows.get(phase, ()))
-
-
-def _op_seconds(flops: float, nbytes: float, dtype: str, gpu: GPUSpec, tokens: float) -> float:
-    compute = flops / (gpu.peak_flops(dtype) * costs.matmul_efficiency(tokens)) if flops else 0.0
-    return max(compute, nbytes / (gpu.memory_bw_gbps * 1e9 * costs.MEMORY_EFFICIENCY))
+    def attention_kernel(self) -> str:
+        """The attention kernel the traced step ran (``timing.ATTENTION_KERNELS``)."""
+        ops = {r[0] for rows in self.rows.values() for r in rows}
+        if any("flash_attention" in op for op in ops):
+            return "flash"
+        if any("efficient_attention" in op for op in ops):
+            return "efficient"
+        return "math"
 
 
 @dataclass
@@ -441,6 +457,20 @@ class _OpCounter:
             flops = 2.0 * a.numel() * args[2][0]
         return flops
 
+    def gemm_dim(self, func, args) -> float:
+        """The smallest of a GEMM's m, k, n (0 for an op that is not one)."""
+        name = func._overloadpacket.__name__
+        if name in ("mm", "bmm"):
+            a, b = args[0], args[1]
+        elif name in ("addmm", "baddbmm"):
+            a, b = args[1], args[2]
+        elif name == "gemm_4bit":
+            a = args[0]
+            return float(min(a.numel() // a.shape[-1], a.shape[-1], args[2][0]))
+        else:
+            return 0.0
+        return float(min(a.shape[-2], a.shape[-1], b.shape[-1]))
+
 
 def _make_tracer():
     import torch
@@ -484,8 +514,9 @@ def _make_tracer():
         def _cost(self, func, args, kwargs, out) -> None:
             nbytes, dtype = counter.nbytes(func, args, kwargs, out)
             flops = counter.flops(func, args, kwargs, out, self.attn_flop_scale)
+            dim = counter.gemm_dim(func, args) if flops else 0.0
             phase = "backward" if self.phase == "recompute" else self.phase
-            self.ops.add(phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype))
+            self.ops.add(phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype), dim)
 
     return Tracer
 
@@ -789,36 +820,40 @@ def _replay(trace: Trace, workspaces: tuple[int, ...], config: AllocatorConfig, 
     return cached
 
 
-def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
-    """Roofline over the steady-state step's ops, plus communication and offload."""
-    gpu, cluster, model = ctx.cluster.gpu, ctx.cluster, ctx.model
+def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
+    """The traced step's ops as ``timing.StepWork``, with the engine's collectives and host
+    traffic (``costs.transfer_work``), which one traced process does not issue."""
+    cluster, model = ctx.cluster, ctx.model
     n = trace.micro_batches
-    tokens = trace.tokens
-    fwd = trace.ops.seconds("forward", gpu, tokens) / n
-    bwd = trace.ops.seconds("backward", gpu, tokens) / n
-    opt = trace.ops.seconds("optimizer", gpu, tokens)
-    dp = cluster.world_size
+    optimizer = trace.ops.work("optimizer")
     if plan.offload is not Offload.NONE:
-        opt = 0.0  # the CPU steps the states (costs.comm_time's offload term)
-    elif plan.engine != "torch":
-        opt /= dp  # every rank steps its shard
-    sb = costs.state_bytes(model, plan)
-    comm = costs.comm_time(plan, model, cluster, sb, bwd)
-    ga = plan.grad_accum
-    step = ga * (fwd + bwd + comm.per_micro_batch) + opt + comm.per_step + comm.offload
+        optimizer = timing.PhaseWork()  # the CPU steps the states (transfer_work's host terms)
+    elif plan.engine != "torch":  # every rank steps its shard
+        dp = cluster.world_size
+        optimizer = timing.PhaseWork(
+            gemms=optimizer.gemms, memory_bytes=optimizer.memory_bytes / dp, kernels=optimizer.kernels
+        )
+    tw = costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan))
     flops_micro = (trace.ops.flops("forward") + trace.ops.flops("backward")) / n
-    flops_step = ga * flops_micro + trace.ops.flops("optimizer")
-    peak = gpu.peak_flops(costs.compute_dtype(plan))
-    tokens_step = ctx.workload.tokens_per_step()
-    return Throughput(
-        tokens_per_sec=tokens_step / step,
-        step_time_s=step,
-        compute_s=ga * (fwd + bwd) + opt,
-        comm_s=ga * comm.per_micro_batch + comm.per_step,
-        offload_s=comm.offload,
-        flops_per_step=flops_step,
-        mfu=ga * flops_micro / (step * peak) if peak else 0.0,
+    return timing.StepWork(
+        dtype=costs.compute_dtype(plan),
+        attention_kernel=trace.ops.attention_kernel(),
+        forward=trace.ops.work("forward", n),
+        backward=trace.ops.work("backward", n),
+        optimizer=optimizer,
+        micro_batches=plan.grad_accum,
+        collectives=tw.collectives,
+        host_bytes_step=tw.host_bytes_step,
+        host_bytes_micro=tw.host_bytes_micro,
+        cpu_optimizer_params=tw.cpu_optimizer_params,
+        nvme_bytes=tw.nvme_bytes,
+        model_flops=plan.grad_accum * flops_micro,
     )
+
+
+def throughput(trace: Trace, plan: Plan, ctx: Target) -> Throughput:
+    """The traced step's work (:func:`step_work`) priced by ``timing.step_time``."""
+    return timing.throughput(step_work(trace, plan, ctx), ctx.cluster, ctx.workload.tokens_per_step())
 
 
 # -- the evaluator -------------------------------------------------------------------------
@@ -864,6 +899,7 @@ class SimulatedEvaluator(Evaluator):
             duration_s=time.perf_counter() - t0,
             extra={
                 "peak_phase": phase,
+                "time_error": timing.time_error(self.name),
                 "trace_s": round(trace.seconds, 3),
                 "trace_reused": self.cache.hits > hits,
                 "timings": {

@@ -19,7 +19,17 @@ from autofit.evaluators.analytic import AnalyticEvaluator
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding, plan_problems
 
 # the answer's rule and the evaluators' fidelity live with the results (one home for every command)
-from autofit.results import Status, TrialResult, authoritative, fidelity, ranked  # noqa: F401  (re-exported)
+from autofit.results import (  # noqa: F401  (re-exported)
+    Status,
+    Tiebreak,
+    TrialResult,
+    authoritative,
+    best_per_method,
+    fidelity,
+    ranked,
+    tiebreak,
+    tied,
+)
 from autofit.specs import Target
 
 
@@ -57,8 +67,9 @@ class Standing:
 
     ctx: Target
     results: tuple[TrialResult, ...]
-    ranked: tuple[TrialResult, ...]  # fitting plans, fastest first; ranked[0] is the winner
+    ranked: tuple[TrialResult, ...]  # fitting plans: the winner, then the others fastest first
     best_per_method: dict[str, TrialResult]
+    tiebreak: Tiebreak | None  # the winner beside the fastest plan: what the fastest adds, within the error
     losses: tuple[Loss, ...]
     pareto: tuple[TrialResult, ...]  # fitting plans no other fitting plan beats on memory and speed both
     closest: tuple[TrialResult, ...]  # plans with a memory figure, least device memory first
@@ -100,6 +111,7 @@ class Standing:
     def as_dict(self) -> dict[str, Any]:
         return {
             "best": self.best.as_dict() if self.best else None,
+            "tiebreak": self.tiebreak.as_dict() if self.tiebreak else None,
             "runners_up": [r.as_dict() for r in self.runners_up()],
             "best_per_method": {k: v.as_dict() for k, v in self.best_per_method.items()},
             "losses": [loss.as_dict() for loss in self.losses],
@@ -134,9 +146,11 @@ def pareto_front(results: Iterable[TrialResult]) -> tuple[TrialResult, ...]:
 _NUMBER = re.compile(r"\d[\d,]*(\.\d+)?")
 
 
-def reason_class(r: TrialResult, ctx: Target) -> str:
+def reason_class(r: TrialResult, ctx: Target, winner: TrialResult | None = None) -> str:
     """A reason that many plans share (numbers removed), to say why most of them lost."""
     if r.fits:
+        if winner is not None and tied(*sorted((r, winner), key=lambda x: -x.tokens_per_sec)):
+            return "within the time error of the winner, not simpler"
         return "slower than the winner"
     m = r.memory
     if m is not None and r.status in (Status.OOM, Status.SCREENED):
@@ -156,9 +170,6 @@ def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
     results = list(results)
     chosen, evaluations = authoritative(results)
     fitting = ranked(results)
-    per_method: dict[str, TrialResult] = {}
-    for r in fitting:
-        per_method.setdefault(r.plan.method.value, r)
     closest = tuple(sorted((r for r in chosen if r.memory is not None), key=lambda r: r.memory.device_total))
     winner = fitting[0] if fitting else None
     losses = []
@@ -166,7 +177,7 @@ def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
         group = [r for r in chosen if r.status is status and r is not winner]
         if not group:
             continue
-        reasons = Counter(reason_class(r, ctx) for r in group)
+        reasons = Counter(reason_class(r, ctx, winner) for r in group)
         reason, n = reasons.most_common(1)[0]
         nearest, over = None, 0
         if status is Status.FITS:
@@ -181,7 +192,8 @@ def standing(results: Iterable[TrialResult], ctx: Target) -> Standing:
         ctx=ctx,
         results=chosen,
         ranked=fitting,
-        best_per_method=per_method,
+        best_per_method=best_per_method(fitting),
+        tiebreak=tiebreak(fitting),
         losses=tuple(losses),
         pareto=pareto_front(chosen),
         closest=closest,
@@ -222,9 +234,13 @@ class Effects:
     baseline: TrialResult  # the plan toggled from, evaluated analytically like every toggle
     toggles: tuple[Toggle, ...]
     skipped: tuple[tuple[str, tuple[str, ...]], ...]  # (label, problems) of toggles that are not valid plans
+    # what every figure here comes from; a study's answer may come from a more faithful one,
+    # so plots and tables name it beside their numbers
+    evaluator: str = "analytic"
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "evaluator": self.evaluator,
             "baseline": self.baseline.as_dict(),
             "toggles": [t.as_dict() for t in self.toggles],
             "skipped": [{"label": label, "problems": list(p)} for label, p in self.skipped],

@@ -305,6 +305,17 @@ class SearchProgress:
             overflow="ellipsis" if self.live else None,
         )
 
+    def _remeasure(self, data: dict[str, Any]) -> None:
+        self.phase = "trial"
+        self.current = (data["number"], data["plan"])
+        self._print(
+            Text(
+                f"measuring again (within the noise of the best; {data['tokens_per_sec']:,.0f} tokens/s the "
+                f"first time): {data['plan'].summary()}",
+                style="dim",
+            )
+        )
+
     # -- the search's events ------------------------------------------------------------------------
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         ctx = self.request.ctx
@@ -350,6 +361,8 @@ class SearchProgress:
                     style="yellow",
                 )
             )
+        elif event == "remeasure":
+            self._remeasure(data)
         elif event == "exhausted":
             self._print(
                 Text(f"every plan of the space is evaluated ({data['n']}); stopping before the budget", style="yellow")
@@ -389,6 +402,7 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
         "elapsed_s": outcome.elapsed_s,
         "counts": outcome.counts(),
         "best": outcome.best.as_dict() if outcome.best else None,
+        "tiebreak": outcome.tiebreak.as_dict() if outcome.tiebreak else None,
         "best_per_method": {k: v.as_dict() for k, v in outcome.best_per_method.items()},
         "closest": outcome.closest.as_dict() if outcome.closest else None,
         "advice": list(outcome.advice),
@@ -407,6 +421,25 @@ def winner_line(best: TrialResult, ctx: Target) -> str:
         f"{gib(m.device_total)} of {gib(ctx.capacity_bytes)} GiB per GPU (budget {gib(ctx.budget_bytes)})"
         f"{margin_text(best)} · {m.bottleneck}"
     )
+
+
+def tiebreak_lines(tb) -> list[str]:
+    """Why the winner (a ``autofit.results.Tiebreak``) is the plan it is: the simplest within
+    the time error of the fastest, and what the fastest would add for its gain."""
+    pct = f"{tb.error * 100:.3g}%"
+    evaluators = sorted({tb.answer.evaluator, tb.fastest.evaluator})
+    source = f"the {'/'.join(evaluators)} time error"
+    if not tb.simpler:
+        others = len(tb.ties) - 1
+        if not others:
+            return [f"the fastest plan; no other plan is within ±{pct} of it ({source})"]
+        return [f"the fastest plan, and the simplest of the {len(tb.ties)} within ±{pct} of it ({source})"]
+    how = "measured" if tb.fastest.evaluator == "measured" else "predicted"
+    return [
+        f"the simplest plan within {pct} of the fastest ({source}; {len(tb.ties)} plans are within it)",
+        f"the fastest, {tb.fastest.plan.summary()}, is {how} {tb.gain:.1%} faster "
+        f"({tb.fastest.tokens_per_sec:,.0f} tokens/s) with {'; '.join(tb.changes)}: within the error",
+    ]
 
 
 def margin_text(result: TrialResult) -> str:
@@ -492,6 +525,9 @@ def print_answer(console: Console, standing, allowed_methods: Iterable[str], adv
         f"[dim](plan {best.plan.plan_id}, {best.evaluator})[/dim]"
     )
     console.print(f"  {winner_line(best, ctx)}", highlight=False)
+    if standing.tiebreak is not None:
+        for line in tiebreak_lines(standing.tiebreak):
+            console.print(f"  [dim]{line}[/dim]", highlight=False)
     console.print(anatomy_table(best, title="memory anatomy of the winner, per GPU"))
     console.print(methods_table(standing, allowed_methods))
     if standing.runners_up():

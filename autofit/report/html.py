@@ -126,6 +126,7 @@ padding:0 1rem;color:#1b1b1b}
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{margin-top:2.2rem;border-bottom:1px solid #ddd;padding-bottom:.2rem}
 .sub{color:#555}.answer{font-size:1.1rem;padding:.8rem 1rem;border-left:4px solid #009E73;background:#f3faf7}
 .answer.none{border-color:#B00020;background:#fdf3f4}.plan{font-family:ui-monospace,Menlo,Consolas,monospace}
+.tiebreak{color:#555;margin:-.6rem 0 1rem;padding:0 1rem 0 1.25rem}
 h3{font-size:1rem;margin:1.4rem 0 .3rem}table{border-collapse:collapse;margin:0 0 1rem;font-size:13px}
 th,td{border-bottom:1px solid #e4e4e4;padding:.25rem .6rem;text-align:left;vertical-align:top;white-space:nowrap}
 th{background:#f6f6f6}td.wrap{white-space:normal;min-width:16rem}td.num,th.num{text-align:right;
@@ -205,18 +206,21 @@ def _header(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
 
 def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
     """The answer: the winner, or why there is none (no evaluations yet, or nothing fits)."""
-    from autofit.report.console import margin_text, why
+    from autofit.report.console import margin_text, tiebreak_lines, why
 
     best = standing.best
     if best is not None:
         t, m = best.throughput, best.memory
+        lines = tiebreak_lines(standing.tiebreak) if standing.tiebreak is not None else []
+        tiebreak = [f'<p class="tiebreak" id="tiebreak">{"<br>".join(_e(x) for x in lines)}</p>'] if lines else []
         return [
-            f'<p class="answer" id="answer">Fastest plan that fits: <b class="plan" id="winner-plan">'
+            f'<p class="answer" id="answer">Winner: <b class="plan" id="winner-plan">'
             f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
             f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
             f"(budget {_gib(ctx.budget_bytes)}){_e(margin_text(best))} · {_e(m.bottleneck)} · "
             f"evaluated by {_e(best.evaluator)} · "
-            f"plan {_e(best.plan.plan_id)}</p>"
+            f"plan {_e(best.plan.plan_id)}</p>",
+            *tiebreak,
         ]
     if not trials:
         return [
@@ -262,7 +266,7 @@ def _tables(rec, ctx: Target, trials: Sequence[Any], standing, effects) -> list[
         *_anatomy_table(ctx, standing),
         *_method_tables(rec, standing),
         *_losses_table(standing),
-        *_effects_table(effects),
+        *_effects_table(effects, standing.best),
         _trials_table(trials, standing.best),
     ]
 
@@ -361,11 +365,16 @@ def _losses_table(standing) -> list[str]:
     ]
 
 
-def _effects_table(effects) -> list[str]:
+def _effects_table(effects, answer: TrialResult | None = None) -> list[str]:
     """One technique toggled at a time (analytic), and the toggles that are not valid plans."""
     if effects is None or not effects.toggles:
         return []
     b = effects.baseline
+    other = (
+        f" estimates, not the {answer.evaluator} figures of the answer"
+        if answer is not None and answer.evaluator != effects.evaluator
+        else ""
+    )
     rows = [
         [
             t.label,
@@ -381,7 +390,7 @@ def _effects_table(effects) -> list[str]:
     parts = [
         _table(
             "technique-effects",
-            f"One technique at a time from {b.plan.summary()} (analytic: "
+            f"One technique at a time from {b.plan.summary()} ({effects.evaluator}{other}: "
             f"{_gib(b.memory.device_total)} GiB, {b.tokens_per_sec:,.0f} tokens/s)",
             ["change", "fits", "device GiB", "Δ GiB", "tokens/s", "Δ tokens/s", "bottleneck"],
             rows,

@@ -53,7 +53,7 @@ EVALUATOR_HATCH = {
 PLOTS = {  # file stem -> what it shows
     "memory-anatomy": "Memory anatomy of the winner and the runners-up",
     "memory-vs-speed": "Memory against tokens/s for every trial",
-    "technique-effects": "The effect of each technique, one at a time from the winner",
+    "technique-effects": "The effect of each technique, one at a time from the winner (analytic estimates)",
 }
 
 _RC = {
@@ -263,8 +263,13 @@ def tradeoff_figure(standing: Standing) -> Figure:
 
 
 # -- (c) technique effects -----------------------------------------------------------------------
-def effects_figure(effects: Effects, ctx: Target, subject: str = "the winner") -> Figure:
-    """One bar pair per toggled technique: Δ device memory (GiB) and Δ tokens/s (%)."""
+def effects_figure(
+    effects: Effects, ctx: Target, subject: str = "the winner", answer_evaluator: str | None = None
+) -> Figure:
+    """One bar pair per toggled technique: Δ device memory (GiB) and Δ tokens/s (%).
+
+    Every number is the effects' evaluator's (analytic); where the study's answer comes from
+    another (``answer_evaluator``), the title says so, so the plot is not read as the answer's."""
     matplotlib, Figure = _mpl()
     toggles = effects.toggles
     with matplotlib.rc_context(_RC):
@@ -315,11 +320,17 @@ def effects_figure(effects: Effects, ctx: Target, subject: str = "the winner") -
         ax_mem.set_xlabel(
             f"Δ GiB per GPU (baseline {b.memory.device_total / GiB:.2f} GiB; budget {ctx.budget_bytes / GiB:.1f} GiB)"
         )
-        ax_speed.set_xlabel(f"Δ tokens/s, % (baseline {b.tokens_per_sec:,.0f} tokens/s)")
-        ax_mem.set_title("memory")
-        ax_speed.set_title("speed")
+        ev = effects.evaluator
+        ax_speed.set_xlabel(f"Δ tokens/s, % ({ev}; baseline {b.tokens_per_sec:,.0f} tokens/s {ev})")
+        ax_mem.set_title(f"memory ({ev})")
+        ax_speed.set_title(f"speed ({ev})")
+        other = (
+            f"; {ev} estimates, not the {answer_evaluator} figures of the answer"
+            if answer_evaluator and answer_evaluator != ev
+            else ""
+        )
         fig.suptitle(
-            f"One technique at a time from {subject} ({ctx.model.name} on {ctx.cluster.label}, analytic):\n"
+            f"One technique at a time from {subject} ({ctx.model.name} on {ctx.cluster.label}, {ev}{other}):\n"
             f"{b.plan.summary()}",
             fontsize=9,
         )
@@ -360,5 +371,6 @@ def write_plots(standing: Standing, effects: Effects | None, out_dir: str | Path
         files.append(save(tradeoff_figure(standing), out_dir, "memory-vs-speed"))
     if effects is not None and effects.toggles:
         subject = "the winner" if standing.best is not None else "the closest plan"
-        files.append(save(effects_figure(effects, standing.ctx, subject), out_dir, "technique-effects"))
+        answer = standing.best.evaluator if standing.best is not None else None
+        files.append(save(effects_figure(effects, standing.ctx, subject, answer), out_dir, "technique-effects"))
     return files

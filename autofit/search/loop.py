@@ -1,4 +1,5 @@
-"""The search: an Optuna study over the space, every trial stored, the fastest fitting plan returned.
+"""The search: an Optuna study over the space, every trial stored, the answer (the fastest fitting plan,
+or the simplest within the time error of it) returned.
 
 How a study runs (``run_search``):
 
@@ -13,7 +14,12 @@ How a study runs (``run_search``):
    (Optuna still sees it as an infeasible trial, so the sampler learns the boundary).
    Measured runs report per-step throughput through ``trial.report`` and Optuna's pruner
    stops the ones that cannot win (recorded as ``pruned``).
-4. Every evaluation is a row in the store; the answer is read back from the store.
+4. Every evaluation is a row in the store; the answer is read back from the store: the simplest
+   plan within the time error of the fastest (``autofit.results.ranked``).
+5. *Re-measurement.* In a measured study, once the budget is spent, the measured plans within
+   the time error of the fastest one (``autofit.results.tied``) are measured once more, each
+   run stored as a further row of its plan, so one short run's noise does not pick the
+   winner; the answer reads the latest run and a time error widened by the runs' spread.
 
 The budget is a number of *evaluated plans*. A plan the sampler proposes again is not
 evaluated twice and does not count; after a few such proposals in a row the screen's best
@@ -24,7 +30,8 @@ Progress events (``progress(event, data)``): ``start`` {study, budget, done, bes
 ``screening`` {space}, ``screened`` {n, fits}, ``warm-start`` {n, dropped}, ``trial-start`` {number,
 plan}, ``trial-done`` {number, result}, ``trial-duplicate`` {number, result} (the sampler
 proposed a plan already evaluated; nothing new is stored), ``requeued`` {numbers} (trials lost
-with their worker, whose plans are queued again), ``exhausted`` {n}.
+with their worker, whose plans are queued again), ``exhausted`` {n}, ``remeasure`` {number, plan,
+tokens_per_sec} (then ``trial-done``).
 
 Ctrl-C, wherever it lands, leaves finished trials stored and the study marked
 ``interrupted``; the trial it cut short is failed and its plan queued again when the study
@@ -37,7 +44,8 @@ import dataclasses
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +55,18 @@ from autofit.evaluators import get_evaluator
 from autofit.evaluators.analytic import AnalyticEvaluator
 from autofit.evaluators.base import StepReport
 from autofit.plan import Method, Plan
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, authoritative, ranked
+from autofit.results import (
+    MemoryAnatomy,
+    Status,
+    Throughput,
+    Tiebreak,
+    TrialResult,
+    authoritative,
+    best_per_method,
+    ranked,
+    tiebreak,
+    tied,
+)
 from autofit.search import calibration
 from autofit.search.space import Allowed, SearchSpace
 from autofit.specs import Target
@@ -102,6 +121,7 @@ class SearchOutcome:
     results: tuple[TrialResult, ...]
     best: TrialResult | None
     best_per_method: dict[str, TrialResult]
+    tiebreak: Tiebreak | None = None  # the answer beside the fastest plan (None when nothing fits)
     closest: TrialResult | None = None
     advice: tuple[str, ...] = ()
     from_store: bool = False
@@ -237,6 +257,18 @@ class _Objective:
         if result.status is Status.PRUNED:  # stopped by the pruner
             raise optuna.TrialPruned(result.reason)
         return result.tokens_per_sec
+
+    def remeasure(self, earlier: TrialResult, runs: list[float]) -> TrialResult:
+        """``earlier``'s plan measured once more, to its end (no pruner: it ran to the end
+        before), with the estimate it was screened by and every run's tokens/s
+        (``extra["runs_tokens_per_sec"]``, this one last when it fits)."""
+        result = self.evaluator.evaluate(earlier.plan, self.request.ctx)
+        extra = {**result.extra, "remeasured": True}
+        if result.fits:
+            extra["runs_tokens_per_sec"] = [*runs, result.tokens_per_sec]
+        if "predicted" in earlier.extra:
+            extra["predicted"] = earlier.extra["predicted"]
+        return dataclasses.replace(result, extra=extra)
 
     def next_unevaluated(self, taken: set[str]) -> dict[str, Any] | None:
         """Params of the plan the analytic screen ranks first among those not in ``taken``
@@ -660,7 +692,7 @@ def _claim_and_run(
     stored = store.trials(study_id)
     evaluated = {t.plan_id for t in stored}
     if len(evaluated) >= request.trials:
-        return "done"
+        return "ran" if _remeasure_next(request, store, study_id, stored, objective, report) else "done"
     trials = study.get_trials(deepcopy=False)
     requeued = _requeue_lost(study, trials, {t.optuna_trial_id for t in stored})
     if requeued:
@@ -672,6 +704,8 @@ def _claim_and_run(
     if objective.duplicates_in_a_row:  # the sampler proposed evaluated plans: any left?
         left = objective.next_unevaluated(evaluated | _in_flight(study))
         if left is None and not running:
+            if _remeasure_next(request, store, study_id, stored, objective, report):
+                return "ran"
             report("exhausted", {"n": len(evaluated)})
             return "exhausted"
         if left is None:  # the last plans are running in other workers: wait
@@ -685,6 +719,51 @@ def _claim_and_run(
     study.optimize(objective, n_trials=1, timeout=remaining, catch=(AutofitError,))
     objective.current = None
     return "ran"
+
+
+REMEASURE_RUNS = 2  # measured runs of a plan tied with the best, at most, before the answer
+
+
+def remeasure_candidates(results: Iterable[TrialResult]) -> list[TrialResult]:
+    """The measured plans to run once more before the answer, fastest first: where more than one
+    fitting measured plan is within the time error of the fastest measured one
+    (``autofit.results.tied``: one short run's noise decides between them), those of them
+    measured fewer than :data:`REMEASURE_RUNS` times (any outcome counts as a run)."""
+    results = list(results)
+    measured = [r for r in ranked(results) if r.evaluator == "measured"]
+    if len(measured) < 2:
+        return []
+    fastest = max(measured, key=lambda r: r.tokens_per_sec)
+    contenders = [r for r in measured if tied(fastest, r)]
+    if len(contenders) < 2:
+        return []
+    runs = Counter(r.plan.plan_id for r in results if r.evaluator == "measured")
+    return sorted((r for r in contenders if runs[r.plan.plan_id] < REMEASURE_RUNS), key=lambda r: -r.tokens_per_sec)
+
+
+def _remeasure_next(
+    request: SearchRequest, store, study_id: int, stored: list, objective: _Objective, report: Progress
+) -> bool:
+    """Under the study lock, once the budget is spent: measure the first of
+    :func:`remeasure_candidates` again and store the run as one more row of its plan (the
+    latest measurement is the plan's; the runs' spread widens its time error). Returns
+    whether it ran one. Outside Optuna: the plan is known and the sampler learns nothing
+    from it; holding the lock keeps other workers from measuring the same plan meanwhile."""
+    if request.evaluator != "measured":
+        return False
+    results = [t.result() for t in stored]
+    candidates = remeasure_candidates(results)
+    if not candidates:
+        return False
+    earlier = candidates[0]
+    number = max(t.number for t in stored) + 1
+    report("remeasure", {"number": number, "plan": earlier.plan, "tokens_per_sec": earlier.tokens_per_sec})
+    same = earlier.plan.plan_id
+    runs = [r.tokens_per_sec for r in results if r.plan.plan_id == same and r.evaluator == "measured" and r.fits]
+    result = objective.remeasure(earlier, runs)
+    store.record_trial(study_id, result, number=number)
+    report("trial-done", {"number": number, "result": result})
+    return True
 
 
 def _next_trial_number(study) -> int:
@@ -891,9 +970,6 @@ def _outcome(
     results = tuple(store.trial_result(t) for t in store.trials(study_rec.id))
     fitting = ranked(results)
     best = fitting[0] if fitting else None
-    per_method: dict[str, TrialResult] = {}
-    for r in fitting:
-        per_method.setdefault(r.plan.method.value, r)
     closest, advice = None, ()
     if best is None:
         with_memory = [r for r in authoritative(results)[0] if r.memory is not None]
@@ -903,7 +979,8 @@ def _outcome(
         study=study_rec,
         results=results,
         best=best,
-        best_per_method=per_method,
+        best_per_method=best_per_method(fitting),
+        tiebreak=tiebreak(fitting),
         closest=closest,
         advice=advice,
         from_store=from_store,

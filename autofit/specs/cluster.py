@@ -9,8 +9,12 @@ from autofit.errors import SpecError
 from autofit.specs.gpus import GPUSpec, cpu_device, resolve_gpu
 from autofit.specs.units import GiB
 
-# Default inter-node bandwidth per GPU, GB/s one direction: a 200 Gb/s InfiniBand or
-# RoCE NIC shared by the node's GPUs is typical of cloud training instances.
+# Default inter-node fabric: a node's network bandwidth, all its NICs together, GB/s one
+# direction. One 200 Gb/s InfiniBand or RoCE NIC shared by the node's GPUs is typical of
+# cloud training instances; rail-optimized DGX nodes carry one NIC per GPU (8 x 200 Gb/s =
+# 200 GB/s for A100, 8 x 400 Gb/s = 400 GB/s for H100). NCCL runs one ring per channel,
+# each crossing between nodes through its own NIC, so a collective over several nodes
+# reaches about this bus bandwidth (nccl-tests' busbw), capped by the links inside a node.
 DEFAULT_INTER_NODE_GBPS = 25.0
 
 # The largest GPU counts a request can mean. Per node: 72, the GB200 NVL72 rack, the
@@ -30,7 +34,7 @@ class ClusterSpec:
     gpus_per_node: int = 1
     nodes: int = 1
     host_memory_bytes: int = 0  # per node; 0 means the default below
-    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS  # the node's network, GB/s one way (above)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from autofit.errors import PlanError, StoreError
-from autofit.results import EVALUATORS, Status, TrialResult
+from autofit.results import EVALUATORS, Status, TrialResult, ranked_among
 from autofit.specs import Target
 from autofit.store import schema
 from autofit.store.models import ANATOMY_COLUMNS, VERSION_TABLE, StudyModel, TrialModel, utcnow
@@ -432,11 +432,11 @@ def _fidelity(column: Any) -> Any:
 
 
 def _authoritative_fits() -> list[Any]:
-    """``autofit.results.ranked``'s rule as conditions on TrialModel: the row fits, has a
+    """``autofit.results.authoritative``'s choice as conditions on TrialModel: the row fits, has a
     speed, and is its plan's authoritative evaluation in its study — no more faithful
     evaluation of the plan exists, nor a later one (trial number, then id: the order of
-    :meth:`Store.trials`) as faithful (a measured OOM overrides a predicted fit). Order the
-    rows by :func:`_answer_order` to rank them as the Python rule does."""
+    :meth:`Store.trials`) as faithful (a measured OOM overrides a predicted fit). The answer
+    among them is :func:`_answer`'s (the tie rule needs each result's time error and plan)."""
     other = aliased(TrialModel)
     mine, theirs = _fidelity(TrialModel.evaluator), _fidelity(other.evaluator)
     later = or_(other.number > TrialModel.number, and_(other.number == TrialModel.number, other.id > TrialModel.id))
@@ -450,8 +450,8 @@ def _authoritative_fits() -> list[Any]:
 
 def _answer_order() -> tuple[Any, ...]:
     """Fastest first; among equally fast rows, the plan evaluated first in its study (the
-    (number, id) of its first row), as ``autofit.results.ranked`` breaks ties; across
-    studies, the older study first."""
+    (number, id) of its first row), as ``autofit.results.ranked`` orders equals; across
+    studies, the older study first. The order :func:`_answer` reads the rows in."""
     first, same = aliased(TrialModel), aliased(TrialModel)
     first_number = (
         select(func.min(first.number))
@@ -897,14 +897,11 @@ class Store:
                 .group_by(TrialModel.study_id, TrialModel.status)
             ):
                 counts.setdefault(study_id, {})[status] = n
-            rank = func.row_number().over(partition_by=TrialModel.study_id, order_by=_answer_order()).label("rank")
-            ranked = select(TrialModel.id, rank).where(TrialModel.study_id.in_(ids), *_authoritative_fits()).subquery()
-            best = {
-                row.study_id: _trial_record(row)
-                for row in s.scalars(
-                    select(TrialModel).join(ranked, TrialModel.id == ranked.c.id).where(ranked.c.rank == 1)
-                )
-            }
+            fits: dict[int, list[TrialModel]] = {}
+            query = select(TrialModel).where(TrialModel.study_id.in_(ids), *_authoritative_fits())
+            for row in s.scalars(query.order_by(*_answer_order())):
+                fits.setdefault(row.study_id, []).append(row)
+            best = {study_id: _answer(rows) for study_id, rows in fits.items()}
             return [StudySummary(_study_record(r), best.get(r.id), counts.get(r.id, {})) for r in studies]
 
     # -- trials ---------------------------------------------------------------------------
@@ -1002,12 +999,20 @@ class Store:
         if headroom is not None:
             query = query.where(TrialModel.device_total <= TrialModel.capacity_bytes * (1.0 - headroom))
         with self.session_scope() as s:
-            row = s.scalars(query.order_by(*_answer_order()).limit(1)).one_or_none()
-            return _trial_record(row) if row is not None else None
+            return _answer(s.scalars(query.order_by(*_answer_order())).all())
 
     @staticmethod
     def trial_result(record: TrialRecord) -> TrialResult:
         return record.result()
+
+
+def _answer(rows: Iterable[TrialModel]) -> TrialRecord | None:
+    """The answer among authoritative fitting rows in :func:`_answer_order` (one study's, or
+    several studies' for :meth:`Store.best_trial`): ``autofit.results.ranked_among``'s first."""
+    records = [_trial_record(row) for row in rows]
+    results = [r.result() for r in records]
+    best = ranked_among(results)
+    return next(rec for rec, r in zip(records, results) if r is best[0]) if best else None
 
 
 def _rollback(session: Session) -> None:

@@ -38,6 +38,10 @@ def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
     out = tmp_path / "out"
     data = search(db_url, out)
     assert data["best"]["fits"] and not data["from_store"]
+    tiebreak = data["tiebreak"]  # the answer beside the fastest plan, as the console shows it
+    assert tiebreak["answer_plan_id"] == data["best"]["plan_id"] and tiebreak["time_error"] > 0
+    assert tiebreak["within_error"] == (tiebreak["fastest_plan_id"] != tiebreak["answer_plan_id"])
+    assert tiebreak["fastest_tokens_per_sec"] >= data["best"]["throughput"]["tokens_per_sec"]
     assert {p.rsplit("/", 1)[-1] for p in data["exported"]} >= {"accelerate_config.yaml", "trainer_args.json"}
     study = data["study"]
 

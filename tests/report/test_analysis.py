@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.plan import Checkpointing, Method, Offload, Plan, Sharding, plan_problems
+from autofit.plan import Checkpointing, Method, Offload, Plan, Sharding, complexity, plan_problems
 from autofit.report import analysis
-from autofit.results import Status
+from autofit.results import Status, tied
 
 
 def stored(study):
@@ -21,15 +21,23 @@ def test_the_winner_runners_up_and_losses_of_a_stored_study(tight_study):
     ctx = rec.context()
     st = analysis.standing(results, ctx)
     fitting = [r for r in results if r.fits]
-    assert st.best.tokens_per_sec == max(r.tokens_per_sec for r in fitting)
+    # the winner: the simplest of the plans within the time error of the fastest
+    tb = st.tiebreak
+    assert tb.answer is st.best and tb.fastest.tokens_per_sec == max(r.tokens_per_sec for r in fitting)
+    assert tied(tb.fastest, st.best) and st.best in tb.ties
+    assert all(complexity(st.best.plan) <= complexity(r.plan) for r in tb.ties)
+    assert {r.plan.plan_id for r in tb.ties} == {r.plan.plan_id for r in fitting if tied(tb.fastest, r)}
     assert st.best.plan.plan_id == tight_study.outcome.best.plan.plan_id  # the search's own answer
-    speeds = [r.tokens_per_sec for r in st.ranked]
+    speeds = [r.tokens_per_sec for r in st.ranked[1:]]  # the others, fastest first
     assert speeds == sorted(speeds, reverse=True) and len(st.ranked) == len(fitting)
     assert st.runners_up(3) == st.ranked[1:4]
     assert st.speed_vs_best(st.ranked[1]) == pytest.approx(st.ranked[1].tokens_per_sec / st.best.tokens_per_sec)
-    assert st.best_per_method == {
-        m: next(r for r in st.ranked if r.plan.method.value == m) for m in {r.plan.method.value for r in fitting}
-    }
+    for m, best in st.best_per_method.items():  # the same rule among each method's plans
+        mine = [r for r in fitting if r.plan.method.value == m]
+        fastest = max(mine, key=lambda r: r.tokens_per_sec)
+        assert tied(fastest, best)
+        assert all(complexity(best.plan) <= complexity(r.plan) for r in mine if tied(fastest, r))
+    assert set(st.best_per_method) == {r.plan.method.value for r in fitting}
 
     by_status = {loss.status: loss for loss in st.losses}
     assert sum(loss.count for loss in st.losses) == len(results) - 1  # everyone but the winner
@@ -54,7 +62,7 @@ def test_the_pareto_front_is_every_non_dominated_fitting_plan(tight_study, fitti
         front = [(r.memory.device_total, r.tokens_per_sec) for r in st.pareto]
         assert set(front) == undominated
         assert front == sorted(front) and [y for _, y in front] == sorted(y for _, y in front)
-        assert st.pareto[-1].tokens_per_sec == st.best.tokens_per_sec
+        assert st.pareto[-1].tokens_per_sec == st.tiebreak.fastest.tokens_per_sec
 
 
 def test_nothing_fits_shows_the_closest_plans(hopeless_study):

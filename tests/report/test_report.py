@@ -1,6 +1,7 @@
 """Progress, tables and the HTML report, on real searches stored in real databases."""
 
 import base64
+import html
 import io
 import re
 import sys
@@ -138,16 +139,18 @@ def test_duplicates_and_the_start_are_reported(tmp_path):
 
     events = []
     ctx = search_request("gpt2", "1xA10", trials=8, seq_len=1024, global_batch=1).ctx  # a small space: 60 plans
-    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), evaluator="analytic", trials=8)
+    # half the space: the sampler proposes a plan again long before (how soon depends on the
+    # predicted speeds it learns from)
+    req = SearchRequest(ctx=ctx, allowed=Allowed.parse(methods="lora"), evaluator="analytic", trials=30)
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as store:
         out = run_search(req, store, progress=lambda e, d: events.append((e, d)))
         rows = store.trials(out.study.id)
     start = [d for e, d in events if e == "start"]
-    assert start == [{"study": out.study.name, "budget": 8, "done": 0, "best": None}]
+    assert start == [{"study": out.study.name, "budget": 30, "done": 0, "best": None}]
     done = [d["number"] for e, d in events if e == "trial-done"]
     dups = [d["number"] for e, d in events if e == "trial-duplicate"]
-    assert len(done) == len(rows) == 8  # a duplicate does not use up the budget
-    assert sorted(done + dups) == list(range(8 + len(dups)))
+    assert len(done) == len(rows) == 30  # a duplicate does not use up the budget
+    assert sorted(done + dups) == list(range(30 + len(dups)))
     assert dups  # the sampler (seed 0) proposes a plan of this small space again
     for e, d in events:
         if e == "trial-duplicate":
@@ -169,6 +172,11 @@ def test_the_answer_tables_name_the_winner_the_runners_up_and_why_others_lost(ti
     assert f"{best.memory.device_total / 2**30:.2f} of {rec.context().capacity_bytes / 2**30:.2f} GiB" in text
     for title in ("memory anatomy of the winner", "best plan per method", "runners-up", "why the others lost"):
         assert title in text
+    lines = report.tiebreak_lines(st.tiebreak)  # the simplest within the error, beside the fastest
+    assert lines and all(line in text for line in lines)
+    assert st.tiebreak.simpler == (st.tiebreak.fastest is not best)
+    if st.tiebreak.simpler:
+        assert st.tiebreak.fastest.plan.summary() in lines[1] and "; ".join(st.tiebreak.changes) in lines[1]
     for r in st.runners_up():
         assert r.plan.summary() in text and f"{r.tokens_per_sec / best.tokens_per_sec:.1%}" in text
     for loss in st.losses:
@@ -199,6 +207,8 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
     st = files.standing
     assert files.html == files.out_dir / "report.html" and not files.notes
     assert f'id="winner-plan">{st.best.plan.summary()}</b>' in page
+    tiebreak = re.search(r'<p class="tiebreak" id="tiebreak">(.*?)</p>', page).group(1)
+    assert tiebreak.split("<br>") == [html.escape(line) for line in report.tiebreak_lines(st.tiebreak)]
     for table in ("anatomy", "best-per-method", "runners-up", "losses", "technique-effects", "trials"):
         assert f'<table id="{table}"' in page
     assert page.count('<tr class="winner">') == 1
