@@ -113,6 +113,7 @@ class SpeedCase:
     request: dict[str, Any]
     tokens_per_sample: float = 0.0  # the row length a sample occupies (samples/s rows)
     kernel: str = ""  # an attention kernel autofit's plans do not run (its rate is the benchmark's)
+    seq: int = 0  # the published sequence length (rows of one workload share it)
     notes: list[str] = field(default_factory=list)
     out: str = ""
     work: Any = None  # timing.StepWork (analytic)
@@ -168,6 +169,7 @@ def to_speed_case(row: dict[str, str], model_of, optimizers: dict[str, str], set
         measured=float(row["throughput"]),
         unit=unit,
         request={},
+        seq=int(row["seq_len"] or 0),
     )
     case.out = speed_out(row)
     if case.out:
@@ -287,9 +289,10 @@ def ratio(case: SpeedCase, evaluator: str) -> float | None:
 
 
 def speed_figures(cases: list[SpeedCase], evaluator: str, predicted: dict[int, float] | None = None) -> dict[str, Any]:
-    """Median |pred/measured - 1|, the share within ×0.67–×1.5, the median error and the
+    """Median |pred/measured - 1|, the share within ×0.67–×1.5, the median error, the
     pairwise order (rows of the same model and GPU type whose measured figures differ by
-    more than ``TIE``: is the faster one predicted faster?)."""
+    more than ``TIE``: is the faster one predicted faster?) and the median error of the
+    predicted ratio of two such rows of one sequence length."""
     preds = {c.id: (predicted or {}).get(c.id) or c.predicted.get(evaluator) for c in cases}
     rs = [preds[c.id] / c.measured for c in cases if preds[c.id]]
     if not rs:
@@ -307,7 +310,8 @@ def speed_figures(cases: list[SpeedCase], evaluator: str, predicted: dict[int, f
                     continue
                 total += 1
                 right += (a.measured > b.measured) == (preds[a.id] > preds[b.id])
-                ratio_errors.append(abs((preds[a.id] / preds[b.id]) / (a.measured / b.measured) - 1))
+                if a.seq == b.seq:  # one workload, other techniques: what a search compares
+                    ratio_errors.append(abs((preds[a.id] / preds[b.id]) / (a.measured / b.measured) - 1))
     return {
         "rows": len(rs),
         "median_abs_error": statistics.median(abs(r - 1) for r in rs),
@@ -315,7 +319,8 @@ def speed_figures(cases: list[SpeedCase], evaluator: str, predicted: dict[int, f
         "within": sum(LOW <= r <= HIGH for r in rs) / len(rs),
         "pairs": total,
         "pairwise": right / total if total else None,
-        # how far the predicted ratio of two such rows is off: what decides a ranking
+        # how far the predicted ratio of two such rows of one sequence length is off: what
+        # decides a ranking of plans for one workload
         "pair_ratio_error": statistics.median(ratio_errors) if ratio_errors else None,
     }
 

@@ -622,18 +622,21 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
     sources = sorted({c.source for c in live})
     summary: dict[str, Any] = {}
     lines = [
-        "| source | evaluator | rows | median abs error | median error | within ×0.67–×1.5 | pairs | order right |"
+        "| source | evaluator | rows | median abs error | median error | within ×0.67–×1.5 | pairs | order right "
+        "| ratio error, same seq |"
     ]
-    lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def _pct(x) -> str:
+        return f"{x:.0%}" if x is not None else "–"
 
     def add(label: str, ev: str, sub: list, predicted: dict[int, float] | None = None) -> None:
         f = speed.speed_figures(sub, ev, predicted)
         summary[f"{ev}/{label}"] = f
         if f["rows"]:
-            order = f"{f['pairwise']:.0%}" if f["pairwise"] is not None else "–"
             lines.append(
                 f"| {label} | {ev} | {f['rows']} | {f['median_abs_error']:.1%} | {f['median_error']:+.1%} "
-                f"| {f['within']:.0%} | {f['pairs']} | {order} |"
+                f"| {f['within']:.0%} | {f['pairs']} | {_pct(f['pairwise'])} | {_pct(f['pair_ratio_error'])} |"
             )
 
     for ev in ["analytic", *(["simulated"] if sim_cases else [])]:
@@ -645,7 +648,6 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
         fitted, names, fval = speed.fit(live, speed.priors(), clusters, GPU_NAMES)
         all_fit = speed.predict(live, fitted, clusters)
         loso: dict[int, float] = {}
-        per_source: dict[str, dict[str, Any]] = {}
         for src in sources:
             train = [c for c in live if c.source != src]
             held = [c for c in live if c.source == src]
@@ -657,12 +659,10 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
             add(src, "analytic, fitted", sub, all_fit)
             f = speed.speed_figures(sub, "x", loso)
             summary[f"loso/{src}"] = f
-            per_source[src] = f
-            order = f"{f['pairwise']:.0%}" if f.get("pairwise") is not None else "–"
             lines.append(
                 f"| {src} | analytic, fitted without {'its source' if src != 'all' else 'each row’s source'} "
                 f"| {f['rows']} | {f['median_abs_error']:.1%} | {f['median_error']:+.1%} | {f['within']:.0%} "
-                f"| {f['pairs']} | {order} |"
+                f"| {f['pairs']} | {_pct(f['pairwise'])} | {_pct(f['pair_ratio_error'])} |"
             )
         for c in live:
             c.predicted["fitted"] = all_fit[c.id]
@@ -682,13 +682,15 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
     text = [
         f"# Published runs vs autofit: throughput ({time.strftime('%Y-%m-%d')})",
         "",
-        f"`python benchmarks/published_runs.py --throughput{' --fit' if args.fit else ''}`: {len(cases)} throughput "
-        f"rows, {len(live)} expressed, {len(out_rows)} out"
+        f"`python benchmarks/published_runs.py {_command_line()}`: "
+        f"{len(cases)} throughput rows, {len(live)} expressed, {len(out_rows)} out"
         + (f"; simulated on {len(sim_cases)} rows in {took:.0f} s on {os.cpu_count()} cores" if sim_cases else "")
         + ".",
         "error = predicted / measured - 1 in the row's unit (tokens/s per GPU, or samples/s). Order: for every two",
         "rows of the same model, GPU type and unit whose measured figures differ by more than 2%, is the faster",
-        "predicted faster?",
+        "predicted faster? 'analytic' and 'simulated' price their work at time_model.json as it stood when the",
+        "run started; 'fitted' at the rates this run fitted from the priors (on every row, or without the row's",
+        "source); the simulated rows are those of --rows.",
         "",
         *lines,
         *fit_lines,
@@ -720,6 +722,12 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
             for c in cases
         ]
         Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": dump}, indent=1))
+
+
+def _command_line() -> str:
+    """This run's arguments, a --rows list shortened."""
+    args = sys.argv[1:]
+    return " ".join("<ids>" if i and args[i - 1] == "--rows" else a for i, a in enumerate(args))
 
 
 def speed_row_table(cases) -> list[str]:
@@ -768,7 +776,8 @@ def write_params(fitted, names: list[str], summary: dict[str, Any], rows: int) -
             {k: loso[k] for k in ("median_abs_error", "within", "pairwise", "pair_ratio_error")}
         ),
         # two plans whose predictions are closer than this are a tie (timing.time_error): the
-        # median error of the predicted ratio of two rows of one model and GPU type, left out
+        # median error of the predicted ratio of two rows of one model, GPU type and sequence
+        # length, under rates fitted without their source
         "error": {"analytic": round(loso["pair_ratio_error"], 4), "simulated": round(loso["pair_ratio_error"], 4)},
     }
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
