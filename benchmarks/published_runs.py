@@ -559,11 +559,7 @@ def main() -> None:
         "",
         *row_table(cases, evaluators),
     ]
-    print("\n".join(text))
-    if args.out:
-        Path(args.out).write_text("\n".join(text) + "\n")
-        dump = [{**dataclasses.asdict(c), "request": _jsonable(c.request)} for c in cases]
-        Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": dump}, indent=1))
+    _write(text, args.out, summary, [{**dataclasses.asdict(c), "request": _jsonable(c.request)} for c in cases])
     if args.write_evidence:
         write_evidence(cases, summary, evaluators)
 
@@ -703,31 +699,36 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
         "",
         *speed_row_table(live),
     ]
-    print("\n".join(text))
-    if args.out:
-        Path(args.out).write_text("\n".join(text) + "\n")
-        dump = [
-            {
-                "id": c.id,
-                "source": c.source,
-                "model": c.model,
-                "gpus": c.gpus,
-                "unit": c.unit,
-                "measured": c.measured,
-                "predicted": c.predicted,
-                "notes": c.notes,
-                "out": c.out,
-                "request": {**c.request, "spec": c.request["spec"].name} if c.request else {},
-            }
-            for c in cases
-        ]
-        Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": dump}, indent=1))
+    dump = [
+        {
+            "id": c.id,
+            "source": c.source,
+            "model": c.model,
+            "gpus": c.gpus,
+            "unit": c.unit,
+            "measured": c.measured,
+            "predicted": c.predicted,
+            "notes": c.notes,
+            "out": c.out,
+            "request": {**c.request, "spec": c.request["spec"].name} if c.request else {},
+        }
+        for c in cases
+    ]
+    _write(text, args.out, summary, dump)
 
 
 def _command_line() -> str:
     """This run's arguments, a --rows list shortened."""
     args = sys.argv[1:]
     return " ".join("<ids>" if i and args[i - 1] == "--rows" else a for i, a in enumerate(args))
+
+
+def _write(text: list[str], out: str, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Print the report; with ``out``, write it there and its figures and rows beside it (FILE.json)."""
+    print("\n".join(text))
+    if out:
+        Path(out).write_text("\n".join(text) + "\n")
+        Path(out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
 
 
 def speed_row_table(cases) -> list[str]:

@@ -264,12 +264,7 @@ def build_simulated_oracle(
     A second process may work from the other end (``reverse``): each re-reads the table
     before a plan and skips what the other has done; a line is one ``write`` on an
     append-only file."""
-    from autofit.evaluators.simulated import (
-        SimulatedEvaluator,
-        Target,
-        TraceCache,
-        TraceKey,
-    )
+    from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache, TraceDevice, TraceKey
 
     path = oracle_path(request)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +272,7 @@ def build_simulated_oracle(
         path.unlink()
     done = set(read_table(path))
     ctx = request.ctx()
-    target = Target.of(ctx.cluster.gpu)
+    target = TraceDevice.of(ctx.cluster.gpu)
     entries = list(SearchSpace(ctx, request.allowed).enumerate_params())
     entries.sort(key=lambda pp: repr(TraceKey.of(pp[1], ctx.model, ctx.workload, target)))
     todo = [(params, plan) for params, plan in entries if plan.plan_id not in done]

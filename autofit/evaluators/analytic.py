@@ -914,7 +914,6 @@ def step_work(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys
         memory_bytes=opt_bytes,
         kernels=0 if plan.offload is not Offload.NONE else _optimizer_kernels(plan, tensors),
     )
-    tw = costs.transfer_work(plan, model, cluster, sb)
     model_flops = forward.gemm_flops + attn_fwd + backward.gemm_flops + attn_bwd
     if ckpt:
         model_flops -= sum(f * n for f, _, _, n in (*block, *adapters)) + attn_fwd
@@ -925,11 +924,7 @@ def step_work(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys
         backward=backward,
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        collectives=tw.collectives,
-        host_bytes_step=tw.host_bytes_step,
-        host_bytes_micro=tw.host_bytes_micro,
-        cpu_optimizer_params=tw.cpu_optimizer_params,
-        nvme_bytes=tw.nvme_bytes,
+        transfers=costs.transfer_work(plan, model, cluster, sb),
         model_flops=plan.grad_accum * model_flops,
     )
 

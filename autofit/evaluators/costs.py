@@ -19,7 +19,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from autofit.evaluators.timing import Collective
+from autofit.evaluators.timing import Collective, Transfers
 from autofit.plan import Method, Offload, OffloadDevice, Optimizer, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy
 from autofit.specs import ClusterSpec, ModelSpec
@@ -357,19 +357,7 @@ def shard_states(
 
 
 # -- time --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TransferWork:
-    """What the plan's engine communicates and moves to and from the host in one step of a
-    rank (``timing.StepWork``'s collectives and host traffic)."""
-
-    collectives: tuple[Collective, ...]
-    host_bytes_step: float
-    host_bytes_micro: float
-    cpu_optimizer_params: float
-    nvme_bytes: float
-
-
-def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes) -> TransferWork:
+def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes) -> Transfers:
     """The collectives and host traffic of one rank's step, as each engine issues them.
 
     DDP all-reduces gradient buckets during backward (torch/csrc/distributed/c10d/reducer.cpp,
@@ -416,7 +404,7 @@ def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateB
         if plan.offload is Offload.OPTIMIZER_PARAMS:
             # parameters stream from the host for forward and backward of every micro-batch
             host_micro = 2 * sb.weights / cluster.world_size
-    return TransferWork(tuple(out), host_step, host_micro, cpu, nvme)
+    return Transfers(tuple(out), host_step, host_micro, cpu, nvme)
 
 
 def optimizer_step_bytes(plan: Plan, sb: StateBytes) -> float:

@@ -833,7 +833,6 @@ def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
         optimizer = timing.PhaseWork(
             gemms=optimizer.gemms, memory_bytes=optimizer.memory_bytes / dp, kernels=optimizer.kernels
         )
-    tw = costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan))
     flops_micro = (trace.ops.flops("forward") + trace.ops.flops("backward")) / n
     return timing.StepWork(
         dtype=costs.compute_dtype(plan),
@@ -842,11 +841,7 @@ def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
         backward=trace.ops.work("backward", n),
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        collectives=tw.collectives,
-        host_bytes_step=tw.host_bytes_step,
-        host_bytes_micro=tw.host_bytes_micro,
-        cpu_optimizer_params=tw.cpu_optimizer_params,
-        nvme_bytes=tw.nvme_bytes,
+        transfers=costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan)),
         model_flops=plan.grad_accum * flops_micro,
     )
 

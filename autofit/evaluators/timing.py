@@ -131,6 +131,18 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class Transfers:
+    """What a rank's engine communicates and moves to and from the host in one step
+    (``costs.transfer_work``)."""
+
+    collectives: tuple[Collective, ...] = ()
+    host_bytes_step: float = 0.0  # host link traffic per step (offloaded gradients and parameters)
+    host_bytes_micro: float = 0.0  # host link traffic per micro-batch (parameters streamed in)
+    cpu_optimizer_params: float = 0.0  # parameters the node's CPU steps per step
+    nvme_bytes: float = 0.0  # NVMe traffic per step, per node
+
+
+@dataclass(frozen=True)
 class StepWork:
     """One rank's optimizer step: ``micro_batches`` × (forward + backward), then the optimizer."""
 
@@ -140,11 +152,7 @@ class StepWork:
     backward: PhaseWork  # with the checkpointing recompute
     optimizer: PhaseWork  # empty where the CPU steps the states
     micro_batches: int
-    collectives: tuple[Collective, ...] = ()
-    host_bytes_step: float = 0.0  # host link traffic per step (offloaded gradients and parameters)
-    host_bytes_micro: float = 0.0  # host link traffic per micro-batch (parameters streamed in)
-    cpu_optimizer_params: float = 0.0  # parameters the node's CPU steps per step
-    nvme_bytes: float = 0.0  # NVMe traffic per step, per node
+    transfers: Transfers = Transfers()
     model_flops: float = 0.0  # forward + backward FLOPs of the step, without recompute (MFU)
 
 
@@ -198,16 +206,17 @@ def step_time(work: StepWork, cluster: ClusterSpec, params: TimeParams | None = 
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     comm = {"micro": 0.0, "step": 0.0}
     hidden: dict[tuple[str, tuple[str, ...]], float] = {}
-    for c in work.collectives:
+    tr = work.transfers
+    for c in tr.collectives:
         key = (c.per, c.hidden_by)
         hidden[key] = hidden.get(key, 0.0) + _collective_seconds(c, cluster, p)
     for (per, by), seconds in hidden.items():
         cover = p.comm_overlap * sum(phases[ph] for ph in by)
         comm[per] += max(0.0, seconds - cover)
     link = gpu.host_link_gbps * p.link_efficiency * 1e9
-    micro_host = work.host_bytes_micro / link
-    offload = work.host_bytes_step / link + work.cpu_optimizer_params / p.cpu_adam_params_per_s
-    offload += work.nvme_bytes / (p.nvme_gbps * 1e9)
+    micro_host = tr.host_bytes_micro / link
+    offload = tr.host_bytes_step / link + tr.cpu_optimizer_params / p.cpu_adam_params_per_s
+    offload += tr.nvme_bytes / (p.nvme_gbps * 1e9)
     ga = work.micro_batches
     compute = ga * (fwd + bwd) + opt
     comm_s = ga * comm["micro"] + comm["step"]

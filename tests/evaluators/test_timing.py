@@ -11,7 +11,15 @@ import dataclasses
 import pytest
 
 from autofit.evaluators import analytic, timing
-from autofit.evaluators.timing import Collective, PhaseWork, StepWork, TimeParams, default_params, step_time
+from autofit.evaluators.timing import (
+    Collective,
+    PhaseWork,
+    StepWork,
+    TimeParams,
+    Transfers,
+    default_params,
+    step_time,
+)
 from autofit.plan import Plan
 from autofit.search.request import build_cluster
 from autofit.specs import MODELS, ClusterSpec, Target, Workload, resolve_gpu
@@ -79,12 +87,12 @@ def test_a_collective_is_hidden_up_to_the_overlap_of_its_phase():
     cl = build_cluster("8xA100-80GB")
     p = default_params().with_values(comm_overlap=0.5, collective_latency_s=0.0)
     coll = Collective("reduce-scatter", 1e9, 1, "micro", ("backward",))
-    alone = step_time(_work(collectives=(coll,)), cl, p).comm_s
+    alone = step_time(_work(transfers=Transfers((coll,))), cl, p).comm_s
     assert alone == pytest.approx(7 / 8 * 1e9 / (cl.gpu.intra_node_gbps * p.link_efficiency * 1e9))
     long_bwd = PhaseWork(memory_bytes=4 * alone * cl.gpu.memory_bw_gbps * 1e9 * p.memory_efficiency)
-    assert step_time(_work(backward=long_bwd, collectives=(coll,)), cl, p).comm_s == 0.0
+    assert step_time(_work(backward=long_bwd, transfers=Transfers((coll,))), cl, p).comm_s == 0.0
     short_bwd = dataclasses.replace(long_bwd, memory_bytes=long_bwd.memory_bytes / 8)  # half a collective
-    assert step_time(_work(backward=short_bwd, collectives=(coll,)), cl, p).comm_s == pytest.approx(
+    assert step_time(_work(backward=short_bwd, transfers=Transfers((coll,))), cl, p).comm_s == pytest.approx(
         0.75 * alone, rel=1e-6
     )
 
@@ -93,9 +101,13 @@ def test_across_nodes_a_ring_runs_at_the_node_fabric():
     gpu = resolve_gpu("H100")
     coll = (Collective("all-gather", 1e9, 1, "step"),)
     p = default_params().with_values(collective_latency_s=0.0)
-    one_node = step_time(_work(collectives=coll), ClusterSpec(gpu=gpu, gpus_per_node=8), p).comm_s
-    slow = step_time(_work(collectives=coll), ClusterSpec(gpu=gpu, gpus_per_node=8, nodes=4, inter_node_gbps=25.0), p)
-    dgx = step_time(_work(collectives=coll), ClusterSpec(gpu=gpu, gpus_per_node=8, nodes=4, inter_node_gbps=400.0), p)
+    one_node = step_time(_work(transfers=Transfers(coll)), ClusterSpec(gpu=gpu, gpus_per_node=8), p).comm_s
+    slow = step_time(
+        _work(transfers=Transfers(coll)), ClusterSpec(gpu=gpu, gpus_per_node=8, nodes=4, inter_node_gbps=25.0), p
+    )
+    dgx = step_time(
+        _work(transfers=Transfers(coll)), ClusterSpec(gpu=gpu, gpus_per_node=8, nodes=4, inter_node_gbps=400.0), p
+    )
     assert slow.comm_s > 5 * dgx.comm_s
     assert dgx.comm_s == pytest.approx(
         one_node * (31 / 32) / (7 / 8) * gpu.intra_node_gbps / min(400.0, gpu.intra_node_gbps)
