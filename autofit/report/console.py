@@ -13,7 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from autofit.results import COMPONENTS, TrialResult, fit_margin_of
+from autofit.results import COMPONENTS, TrialResult, fit_margin_of, ranked
 from autofit.specs import GPUSpec, ModelSpec, Target
 from autofit.specs.units import GiB
 
@@ -243,9 +243,11 @@ class SearchProgress:
         self.done = 0  # plans evaluated so far (previous runs of a resumed study included; not duplicates)
         self.current: tuple[int, Any] | None = None  # (number, plan) being evaluated
         self.phase = "starting"
-        self.best: TrialResult | None = None
+        self.best: TrialResult | None = None  # the answer so far (``autofit.results.ranked``)
         self.best_number: int | None = None
         self.tally: dict[str, int] = {}
+        self._results: list[TrialResult] = []  # every result seen, in order (the answer's input)
+        self._numbers: dict[str, int] = {}  # plan id -> its latest trial number
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> SearchProgress:
@@ -323,6 +325,7 @@ class SearchProgress:
             self.study, self.budget, self.done = data["study"], data["budget"], data["done"]
             if data.get("best") is not None:
                 self.best = data["best"]
+                self._results.append(data["best"])
             resumed = f", resuming after {data['done']} trials" if data["done"] else ""
             self._print(
                 Text(
@@ -381,13 +384,17 @@ class SearchProgress:
             )
             line.append_text(trial_line(number, r))
             self._print(line)
-            if r.fits and (self.best is None or r.tokens_per_sec > self.best.tokens_per_sec):
-                self.best, self.best_number = r, number
+            self._results.append(r)
+            self._numbers[r.plan.plan_id] = number
+            answer = ranked(self._results)
+            best = answer[0] if answer else None
+            if best is not None and best is not self.best:
+                self.best, self.best_number = best, self._numbers.get(best.plan.plan_id)
                 if not self.live:
                     self._print(
                         Text(
-                            f"      best so far: {r.tokens_per_sec:,.0f} tokens/s · "
-                            f"{memory_of_capacity(r)} · {r.plan.summary()}",
+                            f"      best so far: {best.tokens_per_sec:,.0f} tokens/s · "
+                            f"{memory_of_capacity(best)} · {best.plan.summary()}",
                             style="green",
                         )
                     )

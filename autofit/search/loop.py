@@ -175,19 +175,20 @@ def screen(space: SearchSpace, cal: calibration.Calibration | None = None) -> li
 
 
 def candidates(scored: list[tuple[dict[str, Any], TrialResult]], k: int) -> list[dict[str, Any]]:
-    """What to enqueue: the predicted best of each method, then the next best overall."""
-    fitting = [(p, r) for p, r in scored if r.fits]
+    """What to enqueue: each method's predicted answer (the simplest plan within the time error
+    of its fastest, ``autofit.results.ranked``), the predicted answer's method first, then the
+    other plans as the answer rule ranks them. So the simpler of two plans the estimate cannot
+    tell apart is the one evaluated first, and a simpler plan is never left unevaluated behind
+    a complex one it ties."""
+    params_of = {r.plan.plan_id: p for p, r in scored}
+    fitting = [r for _, r in scored if r.fits]
     picks: list[dict[str, Any]] = []
     seen: set[str] = set()
-    by_method: dict[str, tuple[dict, TrialResult]] = {}
-    for p, r in fitting:
-        by_method.setdefault(r.plan.method.value, (p, r))
-    ordered = sorted(by_method.values(), key=lambda pr: -pr[1].tokens_per_sec) + fitting
-    for p, r in ordered:
+    for r in (*best_per_method(fitting).values(), *ranked(fitting)):
         if r.plan.plan_id in seen:
             continue
         seen.add(r.plan.plan_id)
-        picks.append(p)
+        picks.append(params_of[r.plan.plan_id])
         if len(picks) >= k:
             break
     return picks
