@@ -144,9 +144,14 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
     allowed = Allowed()
     space = SearchSpace(ctx, allowed)
     first = [space.suggest(_Replay(p)) for p in candidates(screen(space), 3)]
-    # the enforced budget (the evaluator's) sits below what the third plan needs
-    budget = int(0.8 * estimate(first[2], ctx).memory.peak_allocated)
-    faults = f"crash@0:{first[0].plan_id};hang@1:{first[1].plan_id}"
+    # the enforced budget (the evaluator's) sits below what the largest of the three needs and
+    # above the other two, which crash and hang
+    peak = {p.plan_id: estimate(p, ctx).memory.peak_allocated for p in first}
+    big = max(first, key=lambda p: peak[p.plan_id])
+    crash_plan, hang_plan = (p for p in first if p is not big)
+    budget = int(0.8 * peak[big.plan_id])
+    assert budget > max(peak[crash_plan.plan_id], peak[hang_plan.plan_id])
+    faults = f"crash@0:{crash_plan.plan_id};hang@1:{hang_plan.plan_id}"
     request = SearchRequest(
         ctx=ctx,
         allowed=allowed,
@@ -162,7 +167,8 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
         out = run_search(request, store)
         rows = [store.trial_result(t) for t in store.trials(out.study.id)]
     assert [r.plan.plan_id for r in rows[:3]] == [p.plan_id for p in first]
-    crash, hang, oom = rows[:3]
+    by_plan = {r.plan.plan_id: r for r in rows[:3]}
+    crash, hang, oom = (by_plan[p.plan_id] for p in (crash_plan, hang_plan, big))
     assert crash.status is Status.FAILED and "injected crash at step 0" in crash.reason
     assert hang.status is Status.TIMEOUT and not alive(hang.extra["ranks"][0]["pid"])
     assert oom.status is Status.OOM and oom.extra["budget_hit"]["budget"] == budget

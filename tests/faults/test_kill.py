@@ -143,7 +143,10 @@ def test_killed_search_resumes_to_its_budget_without_rerunning(tmp_path, model_d
     assert json.loads(resumed.stdout)["study"] == rec.name
     rec, stored = rows(db)
     assert rec.status.value == "finished"
-    assert len({r.plan_id for r in stored}) == len(stored) == 5  # the budget, no plan evaluated twice
+    # the budget, no plan evaluated twice (beside the runs of plans tied with the best, which a
+    # measured study measures again on purpose before it answers: docs/SEARCH.md)
+    first = [r for r in stored if not r.result().extra.get("remeasured")]
+    assert len({r.plan_id for r in first}) == len(first) == 5
     assert lost <= {r.plan_id for r in stored}  # the interrupted plan was run again, not dropped
     assert "RUNNING" not in finished_states(db, rec)
     assert not trial_processes(work)
@@ -200,6 +203,7 @@ def test_a_worker_killed_mid_trial_is_noticed_and_the_study_completes(pg_url, tm
         states = [t.state.name for t in optuna.load_study(study_name=rec.optuna_study_name, storage=storage).trials]
         assert states.count("FAIL") >= 1 and "RUNNING" not in states  # the stale trial, failed by heartbeat
         stored = store.trials(rec.id)
-        ids = [r.optuna_trial_id for r in stored]
-        assert len(set(ids)) == len(ids) == 4  # the budget, exactly
+        # the budget, exactly (a plan tied with the best measured again is no Optuna trial)
+        ids = [r.optuna_trial_id for r in stored if not r.result().extra.get("remeasured")]
+        assert len(set(ids)) == len(ids) == 4
         assert lost and lost <= {r.plan_id for r in stored}  # the dead worker's plan was run by the survivor
