@@ -550,14 +550,7 @@ def main() -> None:
         "error = predicted / measured - 1 on the row's metric (A allocated, R reserved, N nvidia-smi).",
         "",
         *lines,
-        "",
-        "## Rows autofit cannot express",
-        "",
-        *[f"- row {c.id} ({c.source}, {c.model}): {c.out}" for c in out_rows],
-        "",
-        "## Every row",
-        "",
-        *row_table(cases, evaluators),
+        *_out_and_every_row(out_rows, row_table(cases, evaluators)),
     ]
     _write(text, args.out, summary, [{**dataclasses.asdict(c), "request": _jsonable(c.request)} for c in cases])
     if args.write_evidence:
@@ -595,15 +588,16 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
             c.work = dataclasses.replace(c.work, attention_kernel=c.kernel)
         clusters[c.id] = target.cluster
     params = default_params()
+    by_id = {c.id: c for c in live}
     for cid, pred in speed.predict(live, params, clusters).items():
-        next(c for c in live if c.id == cid).predicted["analytic"] = pred
+        by_id[cid].predicted["analytic"] = pred
     sim_cases = [c for c in live if c.id in wanted] if "simulated" in evaluators else []
     sim_work: dict[int, Any] = {}
     t0 = time.perf_counter()
     if sim_cases:
         with ProcessPoolExecutor(args.jobs) as pool:
             for i, (cid, work) in enumerate(pool.map(_speed_simulated, sim_cases), 1):
-                case = next(c for c in sim_cases if c.id == cid)
+                case = by_id[cid]
                 if isinstance(work, str):
                     case.notes.append(f"simulated: {work}")
                 else:
@@ -613,7 +607,7 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
                 print(f"  [{i}/{len(sim_cases)}] row {cid} simulated", file=sys.stderr, flush=True)
         sim_cases = [c for c in sim_cases if c.id in sim_work]
         for cid, pred in speed.predict(sim_cases, params, clusters, sim_work).items():
-            next(c for c in sim_cases if c.id == cid).predicted["simulated"] = pred
+            by_id[cid].predicted["simulated"] = pred
     took = time.perf_counter() - t0
     sources = sorted({c.source for c in live})
     summary: dict[str, Any] = {}
@@ -690,14 +684,7 @@ def speed_main(args, rows: list[dict[str, str]], evaluators: list[str]) -> None:
         "",
         *lines,
         *fit_lines,
-        "",
-        "## Rows autofit cannot express",
-        "",
-        *[f"- row {c.id} ({c.source}, {c.model}): {c.out}" for c in out_rows],
-        "",
-        "## Every row",
-        "",
-        *speed_row_table(live),
+        *_out_and_every_row(out_rows, speed_row_table(live)),
     ]
     dump = [
         {
@@ -721,6 +708,20 @@ def _command_line() -> str:
     """This run's arguments, a --rows list shortened."""
     args = sys.argv[1:]
     return " ".join("<ids>" if i and args[i - 1] == "--rows" else a for i, a in enumerate(args))
+
+
+def _out_and_every_row(out_rows: list, table: list[str]) -> list[str]:
+    """The report's tail: the rows autofit cannot express, with why, then every row."""
+    return [
+        "",
+        "## Rows autofit cannot express",
+        "",
+        *[f"- row {c.id} ({c.source}, {c.model}): {c.out}" for c in out_rows],
+        "",
+        "## Every row",
+        "",
+        *table,
+    ]
 
 
 def _write(text: list[str], out: str, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -827,11 +827,7 @@ def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.Sharde
 def estimate(plan: Plan, ctx: Target) -> Estimate:
     """The analytic anatomy and throughput of a valid plan."""
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
-    # a 4D mask reaches the attention kernel: padded batches, or a model that always builds it
-    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
-    t_mem, s, t_time, keys = _tokens(plan, workload)
-    blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
-    act = _activations(model, plan, ctx, blk, masked, t_mem, s)
+    blk, act, t_mem, s, t_time, keys = _micro_batch(plan, ctx)
     ms = _model_states(model, plan, ctx)
     memory, phase = _anatomy(_moments(model, plan, act, ms, blk, t_mem, s), ctx, ms.st)
     throughput = timing.throughput(
@@ -842,12 +838,24 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
 
 def work(plan: Plan, ctx: Target) -> timing.StepWork:
     """The step's work alone (what ``benchmarks/published_runs.py`` prices under other rates)."""
-    model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
-    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
-    t_mem, s, t_time, keys = _tokens(plan, workload)
+    _, act, _, _, t_time, keys = _micro_batch(plan, ctx)
+    return step_work(plan, ctx, costs.state_bytes(ctx.model, plan), t_time, keys, act.block)
+
+
+def _masked(model: ModelSpec, plan: Plan, workload: Workload) -> bool:
+    """Whether a 4D mask reaches the attention kernel: padded batches, or a model that always builds it."""
+    return not plan.packing and (workload.lengths is not None or model.family.mask_always)
+
+
+def _micro_batch(plan: Plan, ctx: Target):
+    """One micro-batch: the block's itemized saves, the activations, and the tokens
+    (``_tokens``: for memory, attended length, computed, keys per token)."""
+    model, cluster = ctx.model, ctx.cluster
+    masked = _masked(model, plan, ctx.workload)
+    t_mem, s, t_time, keys = _tokens(plan, ctx.workload)
     blk = block_activations(model, plan, masked, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
     act = _activations(model, plan, ctx, blk, masked, t_mem, s)
-    return step_work(plan, ctx, costs.state_bytes(model, plan), t_time, keys, act.block)
+    return blk, act, t_mem, s, t_time, keys
 
 
 # Kernels one block issues, as counted in the simulator's traced steps of Llama-3.2-1B
@@ -959,9 +967,8 @@ def attention_kernel(model: ModelSpec, plan: Plan, workload: Workload, cluster) 
         return "eager"
     if plan.attention is Attention.FLASH2:
         return "flash"
-    masked = not plan.packing and (workload.lengths is not None or model.family.mask_always)
     gpu = cluster.gpu
-    return sdpa_kernel(model, plan, masked, gpu.kind == "cpu", gpu.compute_capability)
+    return sdpa_kernel(model, plan, _masked(model, plan, workload), gpu.kind == "cpu", gpu.compute_capability)
 
 
 def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: int) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields, replace
 from importlib.resources import files
 from typing import Any
 
+from autofit.results import Throughput
 from autofit.specs import ClusterSpec
 
 GENERATIONS = ("volta", "turing", "ampere", "ada", "hopper", "blackwell")
@@ -238,10 +239,10 @@ def step_time(work: StepWork, cluster: ClusterSpec, params: TimeParams | None = 
     )
 
 
-def throughput(work: StepWork, cluster: ClusterSpec, tokens_per_step: float, params: TimeParams | None = None):
+def throughput(
+    work: StepWork, cluster: ClusterSpec, tokens_per_step: float, params: TimeParams | None = None
+) -> Throughput:
     """``results.Throughput`` of one step's work: cluster-wide tokens/s, the step's parts, MFU."""
-    from autofit.results import Throughput
-
     t = step_time(work, cluster, params)
     peak = cluster.gpu.peak_flops(work.dtype)
     flops = work.micro_batches * (
