@@ -21,6 +21,8 @@ from typing import Any
 
 from autofit.evaluators import costs, timing
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
+from autofit.evaluators import unroll
+from autofit.evaluators.unroll import Depth
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
@@ -301,12 +303,43 @@ def register_flash2() -> str:
 @dataclass
 class OpCosts:
     """The steady-state step's ops per phase, as ``(op, flops, bytes, dtype, dim)`` rows;
-    ``dim`` is a GEMM's smallest dimension (0 for other ops)."""
+    ``dim`` is a GEMM's smallest dimension (0 for other ops). Beside each row, the decoder
+    layer it ran in (``tags``) and, for an op outside the layers, its bytes by the layer that
+    made each tensor (``per_layer``), which is what :meth:`unrolled` repeats."""
 
     rows: dict[str, list[tuple[str, float, float, str, float]]] = field(default_factory=dict)
+    tags: dict[str, list[int | None]] = field(default_factory=dict)
+    per_layer: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
 
-    def add(self, phase: str, op: str, flops: float, nbytes: float, dtype: str, dim: float = 0.0) -> None:
+    def add(
+        self,
+        phase: str,
+        op: str,
+        flops: float,
+        nbytes: float,
+        dtype: str,
+        dim: float = 0.0,
+        tag: int | None = None,
+        per_layer: dict[int, float] | None = None,
+    ) -> None:
         self.rows.setdefault(phase, []).append((op, flops, nbytes, dtype, dim))
+        self.tags.setdefault(phase, []).append(tag)
+        self.per_layer.setdefault(phase, []).append(per_layer)
+
+    def unrolled(self, depth: Depth) -> OpCosts:
+        """The ops of the ``depth.total``-layer step: the template block's ops repeated, and an
+        op over all layers' tensors reading each further copy's bytes too."""
+        out = OpCosts()
+        for phase, rows in self.rows.items():
+            for row, tag, per in zip(rows, self.tags[phase], self.per_layer[phase]):
+                if depth.block(tag) == 1:
+                    for _ in range(depth.copies):
+                        out.add(phase, *row, tag=tag)
+                    continue
+                extra = sum(b for layer, b in (per or {}).items() if depth.block(layer) == 1)
+                op, flops, nbytes, dtype, dim = row
+                out.add(phase, op, flops, nbytes + (depth.copies - 1) * extra, dtype, dim, tag=tag)
+        return out
 
     def flops(self, phase: str | None = None) -> float:
         phases = [phase] if phase else list(self.rows)
@@ -363,6 +396,7 @@ class Trace:
     micro_batches: int
     seconds: float  # wall time of the trace
     timings: dict[str, Any] = field(default_factory=dict)
+    tags: list[int | None] = field(default_factory=list)  # each event's decoder layer (unroll)
     replays: dict[tuple, Replay] = field(default_factory=dict)  # allocator replays (simulated.reserved)
 
 
@@ -435,6 +469,16 @@ class _OpCounter:
                     dtype = t.dtype
         return nbytes, dtype
 
+    def bytes_by(self, func, args, kwargs, out, layer_of) -> dict[int, float]:
+        """The op's bytes (as :meth:`nbytes` counts them) of the tensors each layer made."""
+        by: dict[int, float] = {}
+        for t in self._tree_leaves((args, kwargs, out, [args[i] for i in _written_args(func) if i < len(args)])):
+            if isinstance(t, self._tensor):
+                layer = layer_of(t)
+                if layer is not None:
+                    by[layer] = by.get(layer, 0.0) + t.numel() * t.element_size()
+        return by
+
     def flops(self, func, args, kwargs, out, attn_flop_scale: float) -> float:
         """FLOPs of the op; attention scaled by ``attn_flop_scale`` (flash2 varlen) and halved when causal."""
         flops = 0.0
@@ -475,6 +519,7 @@ class _OpCounter:
 def _make_tracer():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
 
     from autofit.evaluators.memtrack import StorageTracker
 
@@ -482,7 +527,8 @@ def _make_tracer():
     counter = _OpCounter()
 
     class Tracer(StorageTracker):
-        """The storage tracker plus phase marks and per-op FLOPs/bytes of the last step."""
+        """The storage tracker plus phase marks and per-op FLOPs/bytes of the last step, each
+        event, mark and op tagged with the decoder layer it belongs to (``unroll``)."""
 
         def __init__(self, last_step: int, attn_flop_scale: float, decompositions=None) -> None:
             super().__init__(decompositions=decompositions)
@@ -490,25 +536,82 @@ def _make_tracer():
             self.ops = OpCosts()
             self.last_step = last_step
             self.attn_flop_scale = attn_flop_scale
+            self.layer: int | None = None  # the decoder layer running (unroll.LayerContext)
+            self.after: int | None = None  # the layer that just returned, until the next op
+            self.tags: list[int | None] = []  # per log event
+            self.mark_tags: list[int | None] = []  # per mark
+            self.owners: dict[int, int | None] = {}  # storage key -> the layer that made it
+            self._taint: int | None = None  # optimizer step: the layer of the tensors last stepped
+
+        def _here(self) -> int | None:
+            return self.layer if self.layer is not None else self._taint
 
         @contextlib.contextmanager
         def in_phase(self, phase, step=None):
             outer = (self.phase, self.step)
+            if phase != "recompute":  # a recompute runs inside its layer's backward
+                self.layer = self.after = self._taint = None
             with super().in_phase(phase, step):
                 self.marks.append((len(self.log), phase, self.step))
+                self.mark_tags.append(self.layer)
                 try:
                     yield
                 finally:
+                    if phase != "recompute":
+                        self.layer = self.after = self._taint = None
                     self.marks.append((len(self.log), outer[0], outer[1]))
+                    self.mark_tags.append(self.layer)
+
+        def _add(self, key: int, nbytes: int) -> None:
+            owner = self._here()
+            self.owners[key] = owner
+            self.tags.append(owner)
+            super()._add(key, nbytes)
+
+        def _free(self, cdata: int, key: int) -> None:
+            rec = self.recs.get(key)
+            if rec is not None:  # in a layer; just after one (its input let go); else the maker's
+                here = self.layer if self.layer is not None else self.after
+                if here is None and self.phase == "optimizer" and rec.phase == "optimizer":
+                    here = self._taint  # a step's temporary, let go when the next tensor's step rebinds it
+                self.tags.append(here if here is not None else self.owners.get(key))
+            super()._free(cdata, key)
+
+        def _step_owner(self, args) -> tuple[int | None, bool]:
+            """The layer whose tensors an optimizer op steps (the most bytes among ``args``),
+            and whether it is a multi-tensor op over several layers (fused, foreach)."""
+            by: dict[int, int] = {}
+            spanning = False
+            for a in args:
+                layers = set()
+                for t in tree_leaves(a):
+                    if isinstance(t, torch.Tensor):
+                        layer = self._layer_of(t)
+                        if layer is not None:
+                            layers.add(layer)
+                            by[layer] = by.get(layer, 0) + t.numel() * t.element_size()
+                spanning |= isinstance(a, (list, tuple)) and len(layers) > 1
+            return (max(by, key=by.get) if by else None), spanning
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is scalar_read and isinstance(args[0], FakeTensor):
                 # a value read back (Adafactor's parameter RMS) decides no tensor's size;
                 # a fake tensor has none, so the trace reads 1
                 return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
+            spanning = False
+            if self.layer is None:
+                self.after = None
+            if self.phase == "optimizer" and self.layer is None:
+                owner, spanning = self._step_owner(args)
+                if owner is not None and not spanning:
+                    self._taint = owner
+            taint = self._taint
+            if spanning:
+                self._taint = None
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if self.step == self.last_step and self.phase != "setup" and counter.counted(func):
                 self._cost(func, args, kwargs or {}, out)
+            self._taint = taint
             return out
 
         def _cost(self, func, args, kwargs, out) -> None:
@@ -516,7 +619,21 @@ def _make_tracer():
             flops = counter.flops(func, args, kwargs, out, self.attn_flop_scale)
             dim = counter.gemm_dim(func, args) if flops else 0.0
             phase = "backward" if self.phase == "recompute" else self.phase
-            self.ops.add(phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype), dim)
+            tag = self._here()
+            per_layer = None
+            if tag is None:  # an op over many layers' tensors (a fused optimizer): their bytes by layer
+                per_layer = counter.bytes_by(func, args, kwargs, out, self._layer_of) or None
+            self.ops.add(
+                phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype), dim,
+                tag, per_layer,
+            )
+
+        def _layer_of(self, t) -> int | None:
+            try:
+                key = self._keys.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                return None
+            return self.owners.get(key) if key is not None else None
 
     return Tracer
 
@@ -592,24 +709,53 @@ def _attn_flop_scale(rows: list[list[int] | None]) -> float:
     return sum(scales) / len(scales) if scales else 1.0
 
 
-def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice) -> Trace:
-    """Build the model on meta, swap in fake tensors and run two steps under the tracker."""
+UNROLL = True  # trace 3 periods of layers and unroll (autofit.evaluators.unroll); False: every layer
+
+
+def trace_depth(model: ModelSpec) -> Depth | None:
+    """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer)."""
+    if not UNROLL:
+        return None
+    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None))
+
+
+def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, unrolled: bool = True) -> Trace:
+    """Build the model on meta, swap in fake tensors and run two steps under the tracker.
+
+    ``unrolled`` (where :func:`trace_depth` allows): the model is built with 3 periods of
+    layers and the step's events and ops are unrolled to all of them
+    (:mod:`autofit.evaluators.unroll`); where they do not repeat as the unroll needs, every
+    layer is traced instead.
+    """
+    depth = trace_depth(model) if unrolled else None
+    if depth is not None:
+        try:
+            return _run_trace(model, plan, workload, target, depth)
+        except unroll.UnrollError as exc:
+            full = _run_trace(model, plan, workload, target, None)
+            full.timings["unroll_failed"] = str(exc)
+            return full
+    return _run_trace(model, plan, workload, target, None)
+
+
+def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, depth: Depth | None) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.evaluators import runtime as rt
     from autofit.evaluators.memtrack import round_block
 
     t0 = time.perf_counter()
+    built = unroll.traced_spec(model, depth) if depth else model
     flash2 = plan.attention is Attention.FLASH2
     attn_impl = register_flash2() if flash2 else None
-    net = rt.build_model(model, plan, device="meta", attn_impl=attn_impl)
+    net = rt.build_model(built, plan, device="meta", attn_impl=attn_impl)
     t_build = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rt.to_fake(net, mode)
     opt = rt.make_optimizer(plan, net)
     micro = min(plan.grad_accum, 2)
     traced = plan.replace(grad_accum=micro)
-    steps = [rt.batches_for(model, traced, workload, step=s) for s in range(2)]
+    steps = [rt.batches_for(built, traced, workload, step=s) for s in range(2)]
     fakes, rows = [], []
     for batches in steps:
         fs = []
@@ -623,12 +769,21 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
     # bitsandbytes' gemm_4bit dequantizes the whole weight above 1536 rows on CUDA, always on the CPU
     tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
     kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
+    layers = unroll.decoder_layers(net, model.family.decoder_layer)
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for t in rt.state_tensors(layer):
+            owner.setdefault(id(t), i)
+    context = unroll.LayerContext(layers, tr)
     with _value_decisions(), mode, tr:
-        tr.track(rt.state_tensors(net), "weights")
+        for t in rt.state_tensors(net):
+            tr.layer = owner.get(id(t))
+            tr.track([t], "weights")
+        tr.layer = None
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
         # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
         # CUDA builds), so the target's kernels come from CudaKernels instead (docs/EVALUATORS.md)
-        runner = rt.StepRunner(model, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
+        runner = rt.StepRunner(built, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
         step_s = []
         for step in range(len(fakes)):
             t = time.perf_counter()
@@ -639,28 +794,69 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
             del batches
             step_s.append(time.perf_counter() - t)
     runner.close()
-    snap = tr.snapshot()
+    context.remove()
+    # the step's events, before the model's own end frees them
+    log, tags, marks, mark_tags = list(tr.log), list(tr.tags), list(tr.marks), list(tr.mark_tags)
     kinds = {k: tr.classify(k) for k in tr.recs}
-    n_params = sum(p.numel() for p in net.parameters())
-    n_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    grad_bytes = sum(round_block(p.numel() * p.element_size()) for p in net.parameters() if p.requires_grad)
+    params = [p for p in net.parameters()]
+    n_params = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in params if p.requires_grad)
+    grad_bytes = sum(round_block(p.numel() * p.element_size()) for p in params if p.requires_grad)
+    ops = tr.ops
+    timings: dict[str, Any] = {"build_s": t_build - t0, "step_s": step_s, "layers_traced": len(layers)}
+    if depth is not None:
+        if len(layers) != depth.traced:
+            raise unroll.UnrollError(f"found {len(layers)} {model.family.decoder_layer} layers, built {depth.traced}")
+        t = time.perf_counter()
+        u = unroll.unroll(depth, log, tags, tr.owners, kinds, marks, mark_tags)
+        log, kinds, marks, tags, ops = u.log, u.kinds, u.marks, u.tags, ops.unrolled(depth)
+        block = [p for layer in layers[depth.period : 2 * depth.period] for p in layer.parameters()]
+        more = depth.copies - 1
+        n_params += more * sum(p.numel() for p in block)
+        n_trainable += more * sum(p.numel() for p in block if p.requires_grad)
+        grad_bytes += more * sum(round_block(p.numel() * p.element_size()) for p in block if p.requires_grad)
+        timings["unroll_s"] = time.perf_counter() - t
+    peak, components, peak_phase = log_peak(log, kinds, marks)
     return Trace(
         key=TraceKey.of(plan, model, workload, target),
-        log=tr.log,
+        log=log,
         kinds=kinds,
-        marks=tr.marks,
-        peak=snap.peak,
-        peak_components=dict(snap.components),
-        peak_phase=snap.peak_phase,
-        ops=tr.ops,
+        marks=marks,
+        peak=peak,
+        peak_components=components,
+        peak_phase=peak_phase,
+        ops=ops,
         n_params=n_params,
         n_trainable=n_trainable,
         grad_bytes=grad_bytes,
         tokens=tokens,
         micro_batches=micro,
         seconds=time.perf_counter() - t0,
-        timings={"build_s": t_build - t0, "step_s": step_s},
+        timings=timings,
+        tags=tags,
     )
+
+
+def log_peak(log: list[tuple[int, int]], kinds: dict[int, str], marks: list[tuple[int, str, int]]) -> tuple[int, dict[str, int], str]:
+    """The log's peak: its first highest moment, the live bytes by component then, and the
+    phase it fell in (what ``StorageTracker.snapshot`` reports while tracing)."""
+    live = peak = 0
+    at = -1
+    for ev, (_, delta) in enumerate(log):
+        live += delta
+        if live > peak:
+            peak, at = live, ev
+    comps = dict.fromkeys(TENSOR_COMPONENTS, 0)
+    alive: dict[int, int] = {}
+    for key, delta in log[: at + 1]:
+        if delta > 0:
+            alive[key] = delta
+        else:
+            alive.pop(key, None)
+    for key, nbytes in alive.items():
+        comps[kinds[key]] += nbytes
+    phase = next((ph for i, ph, _ in reversed(marks) if i <= at), "setup")
+    return peak, comps, phase
 
 
 class TraceCache:

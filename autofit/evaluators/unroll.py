@@ -1,0 +1,297 @@
+"""A transformer is N copies of one block: trace three, unroll to N.
+
+The simulator's cost is one fake dispatch per op, and a step's ops are almost all inside
+the decoder layers. So the step is traced on the same architecture with ``3P`` layers
+(``P``: the period of the layer kinds, 2 for Gemma-2's alternating attention): a first
+block of ``P`` layers, a *template* block, a last block. While it runs, every storage
+event and phase mark is tagged with the layer it belongs to (:class:`LayerContext`):
+
+- forward: the layer whose ``forward`` runs (module pre/post hooks);
+- backward, and the checkpoint recompute inside it: the layer whose output gradient was
+  produced last (a gradient hook on each layer's output fires as that layer's backward
+  starts);
+- optimizer step: the layer owning the tensors the op reads (a parameter, its gradient, its
+  state), else the last such layer (bitsandbytes allocates a state's absmax after the
+  state itself);
+- a free right after a layer returns (the loop letting go of the layer's input): that layer;
+- any other free outside the layers: the layer that made the storage (what a forward
+  leaves to free at its end, one per layer).
+
+:func:`unroll` then writes the event log of the ``N``-layer step: the template block's
+runs of events are repeated ``N/P - 2`` times in place, in the order the trace shows (after
+the first block: ascending; after the last: descending, as backward runs), and the last
+block becomes layers ``N-P..N-1``. A free names the storage it frees by layer *distance*:
+a layer freeing what the previous layer made frees what the previous copy made. The
+result goes through the unchanged anatomy and allocator replay.
+
+Exactness is a test, not an assumption: ``tests/evaluators/test_unroll.py`` compares the
+unrolled log with the full trace, event by event (sizes, order, which storage each free
+frees, phase marks), for every family in the registry and a grid of plans, and
+``benchmarks/unroll_check.py`` does it at full size. :func:`unroll` checks what it writes
+(every free frees a live storage, once) and raises :class:`UnrollError` otherwise, and the
+simulator then traces every layer.
+
+Imports nothing from torch at module level; the hooks are installed on a built model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Tag = int | None  # a layer index of the traced (3P-layer) model, or None: no layer
+
+
+class UnrollError(RuntimeError):
+    """The traced events do not repeat as the unroll needs: trace every layer instead."""
+
+
+@dataclass(frozen=True)
+class Depth:
+    """How a model of ``total`` layers is traced: ``traced`` = 3 × ``period`` layers."""
+
+    total: int
+    period: int
+
+    @property
+    def traced(self) -> int:
+        return 3 * self.period
+
+    @property
+    def copies(self) -> int:
+        """How many times the template block appears in the full model."""
+        return self.total // self.period - 2
+
+    def block(self, layer: Tag) -> int | None:
+        return None if layer is None else layer // self.period
+
+    def full_layer(self, layer: int, copy: int | None = None) -> int:
+        """The full model's index of traced ``layer`` (in template ``copy`` when it is one)."""
+        b = layer // self.period
+        if b == 0:
+            return layer
+        if b == 2:
+            return layer + self.total - self.traced
+        return self.period * (1 + (copy or 0)) + layer % self.period
+
+
+def layer_period(layer_types: Sequence[str] | None) -> int:
+    """The shortest period of a config's ``layer_types`` (1 when all layers are alike)."""
+    types = list(layer_types or ())
+    for p in range(1, len(types) + 1):
+        if all(types[i] == types[i % p] for i in range(len(types))):
+            return p
+    return 1
+
+
+def depth_for(num_layers: int, layer_types: Sequence[str] | None) -> Depth | None:
+    """The unroll of a model, or None where tracing all its layers is as cheap or it does not repeat."""
+    p = layer_period(layer_types)
+    if num_layers % p or num_layers <= 3 * p:
+        return None
+    return Depth(num_layers, p)
+
+
+def traced_spec(spec, depth: Depth):
+    """The same architecture with ``depth.traced`` layers (and ``layer_types`` cut to match)."""
+    extra = dict(spec.hf_extra)
+    if isinstance(extra.get("layer_types"), (list, tuple)):
+        extra["layer_types"] = tuple(extra["layer_types"][: depth.traced])
+    return dataclasses.replace(spec, num_layers=depth.traced, n_params=0, hf_extra=tuple(extra.items()))
+
+
+def decoder_layers(model, class_name: str) -> list:
+    """The model's decoder layers in order (the family's ``decoder_layer`` class)."""
+    return [m for m in model.modules() if type(m).__name__ == class_name]
+
+
+# -- tagging while tracing ----------------------------------------------------------------
+class LayerContext:
+    """Keeps ``tracker.layer`` on the decoder layer that runs, forward and backward.
+
+    Forward: a pre-hook sets it, a post-hook clears it and puts a gradient hook on the
+    layer's output, which sets it again when backward reaches the layer. The first layer's
+    input (when it needs a gradient) clears it when backward leaves the stack. The
+    checkpoint recompute runs inside a layer's backward, so it inherits the tag.
+    """
+
+    def __init__(self, layers: list, tracker) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        self._leaves = tree_leaves
+        self.tracker = tracker
+        self.handles: list[Any] = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._enter(i), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(self._leave(i)))
+
+    def _first_tensor(self, value):
+        import torch
+
+        return next((t for t in self._leaves(value) if isinstance(t, torch.Tensor)), None)
+
+    def _set(self, layer: Tag) -> Callable:
+        def hook(grad):
+            self.tracker.layer = layer
+
+        return hook
+
+    def _enter(self, i: int) -> Callable:
+        def pre_hook(module, args, kwargs):
+            self.tracker.layer = i
+            x = self._first_tensor(args) if args else self._first_tensor(kwargs.get("hidden_states"))
+            if i == 0 and x is not None and x.requires_grad:
+                x.register_hook(self._set(None))
+
+        return pre_hook
+
+    def _leave(self, i: int) -> Callable:
+        def hook(module, args, output):
+            self.tracker.layer, self.tracker.after = None, i
+            y = self._first_tensor(output)
+            if y is not None and y.requires_grad:
+                y.register_hook(self._set(i))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# -- the unroll -----------------------------------------------------------------------------
+@dataclass
+class Unrolled:
+    log: list[tuple[int, int]]
+    kinds: dict[int, str]
+    marks: list[tuple[int, str, int]]
+    tags: list[Tag]  # each event's layer in the full model
+
+
+def unroll(
+    depth: Depth,
+    log: list[tuple[int, int]],
+    tags: list[Tag],
+    owners: dict[int, Tag],
+    kinds: dict[int, str],
+    marks: list[tuple[int, str, int]],
+    mark_tags: list[Tag],
+) -> Unrolled:
+    """The ``depth.total``-layer log from the tagged ``depth.traced``-layer one (module docstring)."""
+    if len(tags) != len(log) or len(mark_tags) != len(marks):
+        raise UnrollError("the trace's layer tags do not cover its events")
+    items = _items(log, tags, marks, mark_tags)
+    roles, by_role = _roles(items, log, marks, owners)
+    out_log: list[tuple[int, int]] = []
+    out_kinds: dict[int, str] = {}
+    out_marks: list[tuple[int, str, int]] = []
+    out_tags: list[Tag] = []
+    new_key: dict[tuple[int, int | None], int] = {}
+    live: set[int] = set()
+
+    def target(key: int, tag: Tag, copy: int | None) -> tuple[int, int | None]:
+        """The (traced key, copy) a free at ``tag`` (in template ``copy``) frees."""
+        owner = owners.get(key)
+        if owner is None or (copy is None and depth.block(owner) != 1):
+            return key, None
+        if tag is None:
+            raise UnrollError(f"an event outside the layers frees storage {key} of layer {owner}")
+        at = depth.full_layer(tag, copy) + owner - tag  # the full model's layer that made it
+        if at < 0 or at >= depth.total:
+            raise UnrollError(f"a free in layer {tag} reaches layer {at}, outside the model")
+        b = 0 if at < depth.period else 2 if at >= depth.total - depth.period else 1
+        layer = at if b == 0 else at - (depth.total - depth.traced) if b == 2 else depth.period + at % depth.period
+        if layer != owner:  # the same storage of another layer: by its role there
+            other = by_role.get((roles[key], layer))
+            if other is None:
+                raise UnrollError(f"storage {key} of layer {owner} has no counterpart in layer {layer}")
+            key = other
+        return key, (at // depth.period - 1 if b == 1 else None)
+
+    def emit(item: tuple[str, int, Tag], copy: int | None) -> None:
+        what, i, tag = item
+        if what == "m":
+            _, phase, step = marks[i]
+            out_marks.append((len(out_log), phase, step))
+            return
+        key, delta = log[i]
+        out_tags.append(None if tag is None else depth.full_layer(tag, copy))
+        if delta > 0:
+            k = new_key[(key, copy)] = len(new_key)
+            out_kinds[k] = kinds[key]
+            live.add(k)
+            out_log.append((k, delta))
+            return
+        k = new_key.get(target(key, tag, copy))
+        if k is None or k not in live:
+            raise UnrollError(f"event {i}: the unrolled free of storage {key} frees nothing alive")
+        live.discard(k)
+        out_log.append((k, delta))
+
+    n = len(items)
+    i = 0
+    while i < n:
+        if depth.block(items[i][2]) != 1:
+            emit(items[i], None)
+            i += 1
+            continue
+        j = i
+        while j < n and depth.block(items[j][2]) == 1:
+            j += 1
+        order = range(depth.copies)
+        if _descending(items, i, j, depth):
+            order = reversed(order)
+        for c in order:
+            for item in items[i:j]:
+                emit(item, c)
+        i = j
+    return Unrolled(out_log, out_kinds, out_marks, out_tags)
+
+
+def _items(log, tags, marks, mark_tags) -> list[tuple[str, int, Tag]]:
+    """Events and phase marks in one sequence, each with its layer tag (a mark at event
+    index ``e`` comes before event ``e``, in the order the marks were made)."""
+    items: list[tuple[str, int, Tag]] = []
+    mi = 0
+    for ev in range(len(log)):
+        while mi < len(marks) and marks[mi][0] <= ev:
+            items.append(("m", mi, mark_tags[mi]))
+            mi += 1
+        items.append(("e", ev, tags[ev]))
+    items += [("m", m, mark_tags[m]) for m in range(mi, len(marks))]
+    return items
+
+
+def _roles(items, log, marks, owners) -> tuple[dict[int, tuple[int, int]], dict[tuple[tuple[int, int], int], int]]:
+    """Each allocation's role: (phase segment, its rank among its layer's allocations there),
+    which names the same storage in every layer; and the allocation of each (role, layer).
+    A segment is a stretch of one phase (a recompute inside backward does not start one)."""
+    roles: dict[int, tuple[int, int]] = {}
+    by_role: dict[tuple[tuple[int, int], int], int] = {}
+    seen: dict[tuple[int, Tag], int] = {}
+    segment, outer = 0, ""
+    for what, i, _ in items:
+        if what == "m":
+            phase = marks[i][1]
+            if phase != "recompute" and phase != outer:
+                segment, outer = segment + 1, phase
+            continue
+        key, delta = log[i]
+        if delta <= 0:
+            continue
+        owner = owners.get(key)
+        rank = seen.get((segment, owner), 0)
+        seen[(segment, owner)] = rank + 1
+        roles[key] = (segment, rank)
+        by_role[((segment, rank), owner)] = key
+    return roles, by_role
+
+
+def _descending(items, start: int, end: int, depth: Depth) -> bool:
+    """Whether the template run ``items[start:end]`` runs from the last block toward the
+    first (backward): the layered items around it say which block comes before it."""
+    before = next((depth.block(t) for _, _, t in reversed(items[:start]) if depth.block(t) in (0, 2)), None)
+    after = next((depth.block(t) for _, _, t in items[end:] if depth.block(t) in (0, 2)), None)
+    return before == 2 or (before is None and after == 0)
