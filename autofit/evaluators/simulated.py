@@ -1093,16 +1093,21 @@ class SimulatedEvaluator(Evaluator):
                 "time_error": timing.time_error(self.name),
                 "trace_s": round(trace.seconds, 3),
                 "trace_reused": self.cache.hits > hits,
-                "timings": {
-                    k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v])
-                    for k, v in trace.timings.items()
-                },
+                "timings": {k: _rounded(v) for k, v in trace.timings.items()},
                 "target_kernels": f"{target.kind}"
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
                 **costs.fit_margin_extra(margin, mem, ctx.budget_bytes),
                 **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 2)
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
 
 
 def _last_line(exc: BaseException) -> str:

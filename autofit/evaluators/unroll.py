@@ -184,12 +184,13 @@ def unroll(
         raise UnrollError("the trace's layer tags do not cover its events")
     items = _items(log, tags, marks, mark_tags)
     roles, by_role = _roles(items, log, marks, owners)
+    sizes = {key: delta for key, delta in log if delta > 0}
     out_log: list[tuple[int, int]] = []
     out_kinds: dict[int, str] = {}
     out_marks: list[tuple[int, str, int]] = []
     out_tags: list[Tag] = []
     new_key: dict[tuple[int, int | None], int] = {}
-    live: set[int] = set()
+    live: dict[int, int] = {}
 
     def target(key: int, tag: Tag, copy: int | None) -> tuple[int, int | None]:
         """The (traced key, copy) a free at ``tag`` (in template ``copy``) frees."""
@@ -205,7 +206,7 @@ def unroll(
         layer = at if b == 0 else at - (depth.total - depth.traced) if b == 2 else depth.period + at % depth.period
         if layer != owner:  # the same storage of another layer: by its role there
             other = by_role.get((roles[key], layer))
-            if other is None:
+            if other is None or sizes[other] != sizes[key]:
                 raise UnrollError(f"storage {key} of layer {owner} has no counterpart in layer {layer}")
             key = other
         return key, (at // depth.period - 1 if b == 1 else None)
@@ -221,14 +222,13 @@ def unroll(
         if delta > 0:
             k = new_key[(key, copy)] = len(new_key)
             out_kinds[k] = kinds[key]
-            live.add(k)
+            live[k] = delta
             out_log.append((k, delta))
             return
         k = new_key.get(target(key, tag, copy))
         if k is None or k not in live:
             raise UnrollError(f"event {i}: the unrolled free of storage {key} frees nothing alive")
-        live.discard(k)
-        out_log.append((k, delta))
+        out_log.append((k, -live.pop(k)))
 
     n = len(items)
     i = 0

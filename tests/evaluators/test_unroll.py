@@ -1,0 +1,202 @@
+"""The unrolled trace is the full trace: event by event, for every family and a grid of plans.
+
+``run_trace`` traces 3 periods of decoder layers and unrolls the step to all of them
+(autofit.evaluators.unroll). Here each case is traced both ways and compared:
+
+- the storage log: the same sizes in the same order, each free freeing the storage made by
+  the same allocation, each storage of the same component;
+- the phase marks, the op rows (as multisets), the peak and its components, the
+  parameter counts, and the rank's anatomy on a CUDA target (allocator replay included).
+
+One reordering is allowed: frees that follow one another with no allocation between happen
+at one moment, and their order is the C++ hash order of autocast's weight cache when it is
+cleared; neither a peak nor the caching allocator's state after them depends on it, so a
+run of consecutive frees is compared as a set. Full-size models: benchmarks/unroll_check.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from autofit.evaluators import simulated, unroll
+from autofit.evaluators.simulated import TraceDevice, anatomy, run_trace
+from autofit.plan import Plan
+from autofit.specs import LengthDistribution, Target, Workload
+from autofit.specs.cluster import parse_cluster
+from tests.conftest import tiny
+
+FULL = dict(precision="bf16-mixed", attention="sdpa", checkpointing="full", micro_batch=1, grad_accum=2)
+EAGER_8BIT = dict(precision="bf16-mixed", attention="eager", optimizer="adamw-8bit", micro_batch=2, grad_accum=1)
+LORA = dict(method="lora", lora_rank=8, precision="bf16-mixed", attention="eager", micro_batch=1, grad_accum=2)
+QLORA = dict(
+    method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention="flash2", fused_loss=True,
+    micro_batch=1, grad_accum=2,
+)
+ZERO3 = dict(precision="fp16-mixed", attention="eager", sharding="zero3", optimizer="adafactor", micro_batch=1, grad_accum=4)
+PACKED = dict(precision="bf16-true", attention="flash2", packing=True, micro_batch=2, grad_accum=1)
+PLANS = {"full": FULL, "eager-8bit": EAGER_8BIT, "lora": LORA, "qlora": QLORA, "zero3": ZERO3, "packed": PACKED}
+
+# one model per family of the registry; gemma-2's layers alternate (period 2)
+FAMILIES = [
+    "mistral-7b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-9b", "phi-3-mini", "gemma-2b", "phi-2",
+    "stablelm-base-alpha-3b", "bloom-7b1", "falcon-40b", "gpt2", "bert-large-uncased",
+]
+# the default suite: every family once and every plan at least once
+FAST = [
+    ("mistral-7b", "qlora"), ("llama-3.2-1b", "full"), ("qwen2.5-0.5b", "zero3"), ("gemma-2-9b", "lora"),
+    ("phi-3-mini", "eager-8bit"), ("gemma-2b", "full"), ("phi-2", "lora"), ("stablelm-base-alpha-3b", "zero3"),
+    ("bloom-7b1", "eager-8bit"), ("falcon-40b", "lora"), ("gpt2", "full"), ("bert-large-uncased", "lora"),
+    ("llama-3.2-1b", "packed"),
+]
+SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
+LENGTHS = LengthDistribution(((24, 3), (70, 5), (128, 2)))
+
+
+def canonical(log):
+    """Sizes in order, each free naming its allocation by rank; runs of frees as sets."""
+    order: dict[int, int] = {}
+    out: list[tuple] = []
+    run: list[tuple] = []
+    for key, delta in log:
+        if delta > 0:
+            out += sorted(run)
+            run = []
+            order[key] = len(order)
+            out.append(("+", delta))
+        else:
+            run.append(("-", delta, order[key]))
+    return out + sorted(run)
+
+
+def kinds_in_order(trace):
+    return [trace.kinds[k] for k, d in trace.log if d > 0]
+
+
+def assert_same(unrolled, full):
+    assert full.timings["layers_traced"] > unrolled.timings["layers_traced"], "the case did not unroll"
+    assert "unroll_failed" not in unrolled.timings, unrolled.timings["unroll_failed"]
+    assert canonical(unrolled.log) == canonical(full.log)
+    assert kinds_in_order(unrolled) == kinds_in_order(full)
+    assert unrolled.marks == full.marks
+    for phase in full.ops.rows:
+        assert Counter(unrolled.ops.rows[phase]) == Counter(full.ops.rows[phase]), phase
+    assert (unrolled.peak, unrolled.peak_components, unrolled.peak_phase) == (
+        full.peak,
+        full.peak_components,
+        full.peak_phase,
+    )
+    assert (unrolled.n_params, unrolled.n_trainable, unrolled.grad_bytes) == (
+        full.n_params,
+        full.n_trainable,
+        full.grad_bytes,
+    )
+
+
+def case(family: str, plan_name: str):
+    spec = tiny(family, layers=10 if family == "gemma-2-9b" else 5)
+    kw = dict(PLANS[plan_name])
+    if kw["attention"] not in spec.family.attn_impls:
+        kw["attention"] = "eager"
+    plan = Plan(**kw)
+    workload = Workload(
+        seq_len=128, global_batch=plan.micro_batch * plan.grad_accum, lengths=LENGTHS if plan.packing else None
+    )
+    return spec, plan, workload
+
+
+def check(family: str, plan_name: str) -> None:
+    spec, plan, workload = case(family, plan_name)
+    target = TraceDevice("cuda", (8, 0))
+    unrolled = run_trace(spec, plan, workload, target)
+    full = run_trace(spec, plan, workload, target, unrolled=False)
+    assert_same(unrolled, full)
+    cluster = parse_cluster("1xA100-80GB")
+    ctx = Target(spec, cluster, workload)
+    assert anatomy(unrolled, plan, ctx) == anatomy(full, plan, ctx)
+
+
+@pytest.mark.parametrize("family,plan_name", FAST, ids=[f"{f}-{p}" for f, p in FAST])
+def test_unrolled_trace_is_the_full_trace(family, plan_name):
+    check(family, plan_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,plan_name", SLOW, ids=[f"{f}-{p}" for f, p in SLOW])
+def test_unrolled_trace_is_the_full_trace_every_family_and_plan(family, plan_name):
+    check(family, plan_name)
+
+
+def test_an_unrolled_trace_agrees_with_a_real_cpu_step():
+    """The real-CPU agreement of test_simulated, on a model deep enough to be unrolled."""
+    from tests.evaluators.test_simulated import assert_matches, measure
+
+    spec = tiny("llama-2-7b", layers=5)
+    plan = Plan(precision="bf16-mixed", checkpointing="full", micro_batch=1, grad_accum=2)
+    workload = Workload(seq_len=128, global_batch=2)
+    trace = run_trace(spec, plan, workload, TraceDevice("cpu"))
+    assert trace.timings["layers_traced"] == 3
+    assert_matches(measure(spec, plan, workload), trace)
+
+
+def test_where_the_events_do_not_repeat_every_layer_is_traced(monkeypatch):
+    spec, plan, workload = case("llama-3.2-1b", "full")
+
+    def refuse(*args, **kwargs):
+        raise unroll.UnrollError("a free reaches a layer the model does not have")
+
+    monkeypatch.setattr(unroll, "unroll", refuse)
+    trace = run_trace(spec, plan, workload, TraceDevice("cpu"))
+    assert trace.timings["layers_traced"] == 5
+    assert trace.timings["unroll_failed"] == "a free reaches a layer the model does not have"
+
+
+def test_shallow_models_and_layer_periods():
+    assert unroll.layer_period(None) == 1
+    assert unroll.layer_period(["full"] * 6) == 1
+    assert unroll.layer_period(["sliding", "full"] * 3) == 2
+    assert unroll.layer_period(["a", "a", "b"]) == 3
+    assert unroll.depth_for(3, None) is None  # nothing to unroll
+    assert unroll.depth_for(4, None) == unroll.Depth(4, 1)
+    assert unroll.depth_for(42, ["sliding", "full"] * 21) == unroll.Depth(42, 2)
+    assert unroll.depth_for(5, ["sliding", "full"] * 2 + ["sliding"]) is None  # not whole periods
+    d = unroll.Depth(42, 2)
+    assert (d.traced, d.copies) == (6, 19)
+    assert [d.full_layer(i, 0) for i in range(6)] == [0, 1, 2, 3, 40, 41]
+    assert d.full_layer(3, 18) == 39
+
+
+def test_unroll_of_a_hand_made_log():
+    """Three alike layers, each making one storage and freeing the previous layer's, and a
+    head that frees the last one: five layers make five, each freed by the next layer."""
+    depth = unroll.Depth(5, 1)
+    log = [(0, 10), (1, 10), (0, -10), (2, 10), (1, -10), (2, -10)]
+    tags = [0, 1, 1, 2, 2, None]
+    owners = {0: 0, 1: 1, 2: 2}
+    kinds = dict.fromkeys(owners, "activations")
+    marks = [(0, "forward", 0), (6, "setup", 0)]
+    out = unroll.unroll(depth, log, tags, owners, kinds, marks, [None, None])
+    assert canonical(out.log) == [
+        ("+", 10), ("+", 10), ("-", -10, 0), ("+", 10), ("-", -10, 1), ("+", 10), ("-", -10, 2),
+        ("+", 10), ("-", -10, 3), ("-", -10, 4),
+    ]
+    assert out.tags == [0, 1, 1, 2, 2, 3, 3, 4, 4, None]
+    assert out.marks == [(0, "forward", 0), (10, "setup", 0)]
+    # a layer unlike the one it stands for has no counterpart to free
+    with pytest.raises(unroll.UnrollError):
+        unroll.unroll(depth, [(0, 10), (1, 11), (0, -10), (2, 11), (1, -11), (2, -11)], tags, owners, kinds, marks, [None, None])
+
+
+def test_a_free_of_nothing_alive_is_refused():
+    depth = unroll.Depth(5, 1)
+    log = [(0, 10), (1, 11), (1, -11), (1, -11)]
+    with pytest.raises(unroll.UnrollError):
+        unroll.unroll(depth, log, [0, 1, 1, 1], {0: 0, 1: 1}, {0: "temporary", 1: "temporary"}, [], [])
+
+
+def test_the_evaluator_says_how_many_layers_it_traced():
+    spec, plan, workload = case("llama-3.2-1b", "full")
+    ctx = Target(spec, parse_cluster("1xA100-80GB"), workload)
+    result = simulated.SimulatedEvaluator(simulated.TraceCache()).evaluate(plan, ctx)
+    assert result.extra["timings"]["layers_traced"] == 3
