@@ -21,8 +21,9 @@ event and phase mark is tagged with the layer it belongs to (:class:`LayerContex
 runs of events are repeated ``N/P - 2`` times in place, in the order the trace shows (after
 the first block: ascending; after the last: descending, as backward runs), and the last
 block becomes layers ``N-P..N-1``. A free names the storage it frees by layer *distance*:
-a layer freeing what the previous layer made frees what the previous copy made. The
-result goes through the unchanged anatomy and allocator replay.
+a layer freeing what the previous layer made frees what the previous copy made (the same
+storage of another layer is found by aligning the two layers' allocations in that phase,
+:class:`_Counterparts`). The result goes through the unchanged anatomy and allocator replay.
 
 Exactness is a test, not an assumption: ``tests/evaluators/test_unroll.py`` compares the
 unrolled log with the full trace, event by event (sizes, order, which storage each free
@@ -37,6 +38,7 @@ Imports nothing from torch at module level; the hooks are installed on a built m
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +107,28 @@ def traced_spec(spec, depth: Depth):
 def decoder_layers(model, class_name: str) -> list:
     """The model's decoder layers in order (the family's ``decoder_layer`` class)."""
     return [m for m in model.modules() if type(m).__name__ == class_name]
+
+
+def canonical(log: list[tuple[int, int]]) -> list[tuple]:
+    """A log as sizes in order, each free naming its allocation by rank, and each run of
+    frees with no allocation between as a set (sorted).
+
+    Frees that follow one another are one moment: their order is the C++ hash order of
+    autocast's weight cache when it is cleared, and neither a peak nor the caching
+    allocator's state after them depends on it. Two traces of one step are the same when
+    their canonical logs are equal."""
+    order: dict[int, int] = {}
+    out: list[tuple] = []
+    run: list[tuple] = []
+    for key, delta in log:
+        if delta > 0:
+            out += sorted(run)
+            run = []
+            order[key] = len(order)
+            out.append(("+", delta))
+        else:
+            run.append(("-", delta, order[key]))
+    return out + sorted(run)
 
 
 # -- tagging while tracing ----------------------------------------------------------------
@@ -183,8 +207,7 @@ def unroll(
     if len(tags) != len(log) or len(mark_tags) != len(marks):
         raise UnrollError("the trace's layer tags do not cover its events")
     items = _items(log, tags, marks, mark_tags)
-    roles, by_role = _roles(items, log, marks, owners)
-    sizes = {key: delta for key, delta in log if delta > 0}
+    counterparts = _Counterparts(items, log, marks, owners, kinds)
     out_log: list[tuple[int, int]] = []
     out_kinds: dict[int, str] = {}
     out_marks: list[tuple[int, str, int]] = []
@@ -204,9 +227,9 @@ def unroll(
             raise UnrollError(f"a free in layer {tag} reaches layer {at}, outside the model")
         b = 0 if at < depth.period else 2 if at >= depth.total - depth.period else 1
         layer = at if b == 0 else at - (depth.total - depth.traced) if b == 2 else depth.period + at % depth.period
-        if layer != owner:  # the same storage of another layer: by its role there
-            other = by_role.get((roles[key], layer))
-            if other is None or sizes[other] != sizes[key]:
+        if layer != owner:  # the same storage of another layer
+            other = counterparts.of(key, owner, layer)
+            if other is None:
                 raise UnrollError(f"storage {key} of layer {owner} has no counterpart in layer {layer}")
             key = other
         return key, (at // depth.period - 1 if b == 1 else None)
@@ -264,29 +287,44 @@ def _items(log, tags, marks, mark_tags) -> list[tuple[str, int, Tag]]:
     return items
 
 
-def _roles(items, log, marks, owners) -> tuple[dict[int, tuple[int, int]], dict[tuple[tuple[int, int], int], int]]:
-    """Each allocation's role: (phase segment, its rank among its layer's allocations there),
-    which names the same storage in every layer; and the allocation of each (role, layer).
-    A segment is a stretch of one phase (a recompute inside backward does not start one)."""
-    roles: dict[int, tuple[int, int]] = {}
-    by_role: dict[tuple[tuple[int, int], int], int] = {}
-    seen: dict[tuple[int, Tag], int] = {}
-    segment, outer = 0, ""
-    for what, i, _ in items:
-        if what == "m":
-            phase = marks[i][1]
-            if phase != "recompute" and phase != outer:
-                segment, outer = segment + 1, phase
-            continue
-        key, delta = log[i]
-        if delta <= 0:
-            continue
-        owner = owners.get(key)
-        rank = seen.get((segment, owner), 0)
-        seen[(segment, owner)] = rank + 1
-        roles[key] = (segment, rank)
-        by_role[((segment, rank), owner)] = key
-    return roles, by_role
+class _Counterparts:
+    """The same storage in another layer: the layers' allocations in each phase segment
+    (a stretch of one phase; a recompute inside backward does not start one) aligned by
+    size and component (``difflib``), so a first layer that makes one tensor more (its
+    input needs no gradient) still pairs the rest."""
+
+    def __init__(self, items, log, marks, owners, kinds) -> None:
+        self.made: dict[tuple[int, Tag], list[int]] = {}
+        self.where: dict[int, tuple[int, int]] = {}
+        self.sizes = {key: delta for key, delta in log if delta > 0}
+        self.kinds = kinds
+        self._pairs: dict[tuple[int, Tag, Tag], dict[int, int]] = {}
+        segment, outer = 0, ""
+        for what, i, _ in items:
+            if what == "m":
+                phase = marks[i][1]
+                if phase != "recompute" and phase != outer:
+                    segment, outer = segment + 1, phase
+                continue
+            key, delta = log[i]
+            if delta > 0:
+                made = self.made.setdefault((segment, owners.get(key)), [])
+                self.where[key] = (segment, len(made))
+                made.append(key)
+
+    def of(self, key: int, owner: Tag, layer: int) -> int | None:
+        segment, rank = self.where[key]
+        pairs = self._pairs.get((segment, owner, layer))
+        if pairs is None:
+            a = self.made.get((segment, owner), [])
+            b = self.made.get((segment, layer), [])
+            sm = difflib.SequenceMatcher(None, self._tokens(a), self._tokens(b), autojunk=False)
+            pairs = {i + n: j + n for i, j, size in sm.get_matching_blocks() for n in range(size)}
+            pairs = self._pairs[(segment, owner, layer)] = {i: b[j] for i, j in pairs.items()}
+        return pairs.get(rank)
+
+    def _tokens(self, keys: list[int]) -> list[tuple[int, str]]:
+        return [(self.sizes[k], self.kinds[k]) for k in keys]
 
 
 def _descending(items, start: int, end: int, depth: Depth) -> bool:

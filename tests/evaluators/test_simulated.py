@@ -504,3 +504,26 @@ def test_simulated_estimate_and_search_print_no_library_warnings(tmp_path):
         if re.search(r"warn|\[transformers\]|site-packages|loss_type|fan_in_fan_out", line, re.I)
     ]
     assert noise == [], search.stderr
+
+
+def test_plans_that_share_a_trace_get_what_a_fresh_trace_gives():
+    """ZeRO stage / FSDP, offload and gradient accumulation (≥ 2 micro-batches) are arithmetic
+    on one trace (TraceKey leaves them out): a cached trace answers exactly as a fresh one."""
+    spec = tiny("llama-2-7b", layers=4)
+    ctx = Target(spec, parse_cluster("2xA10"), Workload(seq_len=128, global_batch=16))
+    twice = Target(spec, parse_cluster("2xA10"), Workload(seq_len=128, global_batch=32))
+    base = Plan(precision="bf16-mixed", micro_batch=2, sharding="zero1", grad_accum=4)
+    variants = [
+        (base.replace(sharding="zero2"), ctx),
+        (base.replace(sharding="zero3", offload="optimizer"), ctx),
+        (base.replace(sharding="zero3", offload="optimizer+params"), ctx),
+        (base.replace(sharding="fsdp"), ctx),
+        (base.replace(grad_accum=8), twice),
+    ]
+    shared = SimulatedEvaluator(TraceCache())
+    shared.evaluate(base, ctx)
+    for plan, target in variants:
+        reused = shared.evaluate(plan, target)
+        fresh = SimulatedEvaluator(TraceCache()).evaluate(plan, target)
+        assert reused.extra["trace_reused"] and not fresh.extra["trace_reused"], plan.summary()
+        assert (reused.status, reused.memory, reused.throughput) == (fresh.status, fresh.memory, fresh.throughput)

@@ -8,10 +8,9 @@
 - the phase marks, the op rows (as multisets), the peak and its components, the
   parameter counts, and the rank's anatomy on a CUDA target (allocator replay included).
 
-One reordering is allowed: frees that follow one another with no allocation between happen
-at one moment, and their order is the C++ hash order of autocast's weight cache when it is
-cleared; neither a peak nor the caching allocator's state after them depends on it, so a
-run of consecutive frees is compared as a set. Full-size models: benchmarks/unroll_check.py.
+One reordering is allowed (``unroll.canonical``): frees that follow one another with no
+allocation between are one moment, compared as a set. Full-size models:
+benchmarks/unroll_check.py.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import pytest
 
 from autofit.evaluators import simulated, unroll
 from autofit.evaluators.simulated import TraceDevice, anatomy, run_trace
+from autofit.evaluators.unroll import canonical
 from autofit.plan import Plan
 from autofit.specs import LengthDistribution, Target, Workload
 from autofit.specs.cluster import parse_cluster
@@ -52,22 +52,6 @@ FAST = [
 ]
 SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
 LENGTHS = LengthDistribution(((24, 3), (70, 5), (128, 2)))
-
-
-def canonical(log):
-    """Sizes in order, each free naming its allocation by rank; runs of frees as sets."""
-    order: dict[int, int] = {}
-    out: list[tuple] = []
-    run: list[tuple] = []
-    for key, delta in log:
-        if delta > 0:
-            out += sorted(run)
-            run = []
-            order[key] = len(order)
-            out.append(("+", delta))
-        else:
-            run.append(("-", delta, order[key]))
-    return out + sorted(run)
 
 
 def kinds_in_order(trace):
