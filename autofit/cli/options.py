@@ -48,6 +48,22 @@ def interrupted() -> None:
     sys.exit(EXIT_INTERRUPTED)
 
 
+class ParallelType(click.ParamType):
+    """``auto`` or a positive count of local workers."""
+
+    name = "auto|K"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r} is neither auto nor a count of workers (1, 2, ...)", param, ctx)
+
+
 def _choice(enum) -> click.Choice:
     return click.Choice(enum.values(), case_sensitive=False)
 

@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from autofit.cli.options import (
+    ParallelType,
     db_option,
     evaluator_option,
     evaluator_options,
@@ -66,10 +67,11 @@ from autofit.report import analysis, console
 @click.option("--wait", is_flag=True, help="With --workers 0: follow the study until the workers finish it.")
 @click.option(
     "--parallel",
-    type=click.IntRange(min=1),
-    default=1,
+    type=ParallelType(),
+    default="auto",
     show_default=True,
-    help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES).",
+    help="Run K local workers at once, each on its own GPU subset (CUDA_VISIBLE_DEVICES). "
+    "auto: one per 8 simulated trials, within the cores and memory (analytic and measured: 1).",
 )
 @click.option(
     "--report/--no-report",
@@ -127,6 +129,10 @@ def search(cctx: click.Context, **opts):
         evaluator_options=evaluator_options(opts) if evaluator == "measured" else {},
         calibrate=opts["calibrate"],
     )
+    if opts["parallel"] == "auto":
+        from autofit.search.workers import auto_parallel
+
+        opts["parallel"] = auto_parallel(request)
     store = Store(opts["db_url"])
     as_json, quiet = opts["as_json"], opts["quiet"] or opts["as_json"]
     term = console.terminal(stderr=True, quiet=quiet)

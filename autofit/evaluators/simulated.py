@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -709,12 +710,12 @@ def _attn_flop_scale(rows: list[list[int] | None]) -> float:
     return sum(scales) / len(scales) if scales else 1.0
 
 
-UNROLL = True  # trace 3 periods of layers and unroll (autofit.evaluators.unroll); False: every layer
+ALL_LAYERS_ENV = "AUTOFIT_TRACE_ALL_LAYERS"  # set to 1: trace every layer (no unroll), to compare
 
 
 def trace_depth(model: ModelSpec) -> Depth | None:
     """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer)."""
-    if not UNROLL:
+    if os.environ.get(ALL_LAYERS_ENV, "") not in ("", "0"):
         return None
     return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None))
 

@@ -28,6 +28,42 @@ def gpu_subsets(k: int, world_size: int, n_devices: int) -> list[str | None]:
     return [",".join(str(d) for d in range(i * world_size, (i + 1) * world_size)) for i in range(k)]
 
 
+# What a local worker costs and what it saves, measured for `autofit search --model mistral-7b
+# --gpus 2xA10` on 2 cores (benchmarks/results/2026-12-04-time-to-answer.md): a worker process
+# starts in ~5 s of one core (Python, torch, transformers, its first model build), a simulated
+# trial then takes 1.5-4 s. At the default 8 trials two workers answered no sooner (17.4 vs
+# 17.0 s, 27 vs 16 s of CPU); at 16 trials 9% sooner (22.7 vs 24.9 s). So `auto` adds a worker
+# per 8 simulated trials, within the cores and the memory this machine has.
+TRIALS_PER_WORKER = 8
+WORKER_MEMORY = 2 * 2**30  # a worker's resident memory with a 70B trace, rounded up
+
+
+def auto_parallel(request) -> int:
+    """``--parallel auto``: how many local workers this search gets.
+
+    Simulated searches: one per ``TRIALS_PER_WORKER`` trials, at most one per usable core
+    and one per ``WORKER_MEMORY`` of available memory. Analytic searches take microseconds a
+    plan, and measured trials time the machine itself, so both run in one process (on a
+    machine with more GPUs than a plan needs, ask for ``--parallel K``)."""
+    if request.evaluator != "simulated":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    by_memory = max(1, _available_memory() // WORKER_MEMORY)
+    return max(1, min(request.trials // TRIALS_PER_WORKER, cores, by_memory))
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo (free pages where it is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _local_cuda_devices(request) -> int:
     if request.evaluator != "measured" or request.ctx.cluster.gpu.kind != "cuda":
         return 0

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import click
 import optuna
 import pytest
 from click.testing import CliRunner
@@ -171,3 +172,33 @@ def test_gpu_subsets_are_disjoint_and_sized():
 
     with pytest.raises(AutofitError, match="needs 3 × 4 = 12 GPUs"):
         gpu_subsets(3, 4, 8)
+
+
+def test_parallel_auto_adds_a_worker_per_8_simulated_trials(monkeypatch):
+    from types import SimpleNamespace
+
+    from autofit.search import workers
+
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(workers, "_available_memory", lambda: 24 * 2**30)
+
+    def auto(evaluator, trials):
+        return workers.auto_parallel(SimpleNamespace(evaluator=evaluator, trials=trials))
+
+    assert auto("simulated", 8) == 1  # the main command: a second worker would not answer sooner
+    assert auto("simulated", 16) == 2
+    assert auto("simulated", 64) == 2  # two cores
+    assert auto("analytic", 400) == 1 and auto("measured", 64) == 1
+    monkeypatch.setattr(workers, "_available_memory", lambda: 3 * 2**30)
+    assert auto("simulated", 64) == 1  # room for one worker's 2 GiB
+
+
+def test_parallel_option_takes_auto_or_a_count():
+    from autofit.cli.options import ParallelType
+
+    t = ParallelType()
+    assert t.convert("auto", None, None) == "auto" and t.convert("AUTO", None, None) == "auto"
+    assert t.convert("3", None, None) == 3 and t.convert(2, None, None) == 2
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(click.BadParameter, match="neither auto nor a count"):
+            t.convert(bad, None, None)
