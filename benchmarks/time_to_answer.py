@@ -187,17 +187,37 @@ def simulated_times(quick: bool) -> list[dict]:
             plan = Plan(micro_batch=1, grad_accum=per_rank, **PLANS[name])
             problems = plan_problems(plan, ctx.model, ctx.cluster, ctx.workload)
             if problems:
-                out.append(dict(size=size, model=model, gpus=gpus, plan=plan.summary(), s=float("nan"),
-                                result="invalid: " + "; ".join(problems), layers=""))
+                out.append(
+                    dict(
+                        size=size,
+                        model=model,
+                        gpus=gpus,
+                        plan=plan.summary(),
+                        s=float("nan"),
+                        result="invalid: " + "; ".join(problems),
+                        layers="",
+                    )
+                )
                 continue
             t0 = time.perf_counter()
             r = SimulatedEvaluator(TraceCache()).evaluate(plan, ctx)
             dt = time.perf_counter() - t0
             layers = r.extra.get("timings", {}).get("layers_traced", "")
-            out.append(dict(size=size, model=model, gpus=gpus, plan=plan.summary(), s=dt, layers=layers,
-                            result=f"{r.status.value}, {r.tokens_per_sec:,.0f} tokens/s"))
-            print(f"  simulated {model} {plan.summary()}: {dt:.1f} s ({r.status.value}, {layers} layers traced)",
-                  flush=True)
+            out.append(
+                dict(
+                    size=size,
+                    model=model,
+                    gpus=gpus,
+                    plan=plan.summary(),
+                    s=dt,
+                    layers=layers,
+                    result=f"{r.status.value}, {r.tokens_per_sec:,.0f} tokens/s",
+                )
+            )
+            print(
+                f"  simulated {model} {plan.summary()}: {dt:.1f} s ({r.status.value}, {layers} layers traced)",
+                flush=True,
+            )
     return out
 
 
@@ -207,7 +227,9 @@ def _verdict(value: float, goal: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one search run, 2,000 analytic plans, one simulated plan each")
+    ap.add_argument(
+        "--quick", action="store_true", help="one search run, 2,000 analytic plans, one simulated plan each"
+    )
     ap.add_argument("--runs", type=int, default=None, help="runs per setting and command (default 3; --quick: 1)")
     ap.add_argument("--parallel", default="auto", help="comma-separated --parallel settings to time (e.g. auto,2)")
     ap.add_argument("--all-layers", action="store_true", help="one more run with AUTOFIT_TRACE_ALL_LAYERS=1")
@@ -303,7 +325,7 @@ def main() -> None:
         )
     lines += [
         "",
-        f"Evaluator speed, this process (seq 2048, global batch 16; simulated plans with an empty trace cache, "
+        "Evaluator speed, this process (seq 2048, global batch 16; simulated plans with an empty trace cache, "
         "after one warm-up trace of llama-3.2-1b):",
         "",
         "| evaluator | model, GPUs | plan | layers traced | time | goal | result |",

@@ -34,15 +34,27 @@ PLANS = {
     # the main command's answer (QLoRA, plain DDP) and the ZeRO-1 plan it ties with
     "qlora": dict(method="qlora", lora_rank=16, precision="bf16-mixed", attention="sdpa", micro_batch=1, grad_accum=8),
     "qlora-zero1-fused": dict(
-        method="qlora", lora_rank=16, precision="bf16-mixed", attention="sdpa", fused_loss=True, sharding="zero1",
-        micro_batch=1, grad_accum=8,
+        method="qlora",
+        lora_rank=16,
+        precision="bf16-mixed",
+        attention="sdpa",
+        fused_loss=True,
+        sharding="zero1",
+        micro_batch=1,
+        grad_accum=8,
     ),
     "full-ckpt-zero3": dict(
         precision="bf16-mixed", attention="flash2", checkpointing="full", sharding="zero3", micro_batch=1, grad_accum=8
     ),
     "lora-8bit-adam": dict(
-        method="lora", lora_rank=16, precision="bf16-mixed", attention="eager", optimizer="adamw-8bit",
-        checkpointing="full", micro_batch=2, grad_accum=4,
+        method="lora",
+        lora_rank=16,
+        precision="bf16-mixed",
+        attention="eager",
+        optimizer="adamw-8bit",
+        checkpointing="full",
+        micro_batch=2,
+        grad_accum=4,
     ),
 }
 GPUS = "8xA100-80GB"
@@ -144,7 +156,9 @@ def main() -> None:
     lines += [
         "",
         f"{n_ok} of {len(rows)} identical; speed-up median {speed[len(speed) // 2]:.1f}x "
-        f"(range {speed[0]:.1f}–{speed[-1]:.1f}x)." if rows else "no rows",
+        f"(range {speed[0]:.1f}–{speed[-1]:.1f}x)."
+        if rows
+        else "no rows",
         "The first row of a process includes building transformers' and bitsandbytes' modules for the first time.",
     ]
     out = Path(args.out or HERE / "results" / f"{datetime.date.today()}-unroll-check.md")

@@ -5,8 +5,10 @@ and stepped twice by ``runtime.StepRunner`` under ``FakeTensorMode``, with the t
 CUDA kernels substituted (:class:`CudaKernels`); a ``memtrack.StorageTracker`` gives the
 anatomy at the peak, and a roofline over the traced ops the time. Nothing is allocated
 and no GPU is needed. Imports torch and transformers lazily (inside functions), and
-from autofit only what lies below the evaluators (results, plan, specs) and its
-siblings base, costs, runtime and memtrack. Design and decisions: docs/EVALUATORS.md.
+from autofit only what lies below the evaluators (results, plan, specs) and its siblings
+base, costs, timing, allocator, unroll, runtime and memtrack. The step is traced on three
+periods of decoder layers and unrolled to all of them (``unroll``). Design and decisions:
+docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from autofit.evaluators import costs, timing
+from autofit.evaluators import costs, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
-from autofit.evaluators import unroll
-from autofit.evaluators.unroll import Depth
 from autofit.evaluators.base import Evaluator, StepCallback
+from autofit.evaluators.unroll import Depth
 from autofit.plan import Attention, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
@@ -520,16 +521,15 @@ class _OpCounter:
 def _make_tracer():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
 
     from autofit.evaluators.memtrack import StorageTracker
 
     scalar_read = torch.ops.aten._local_scalar_dense.default
     counter = _OpCounter()
 
-    class Tracer(StorageTracker):
+    class Tracer(unroll.LayerTags, StorageTracker):
         """The storage tracker plus phase marks and per-op FLOPs/bytes of the last step, each
-        event, mark and op tagged with the decoder layer it belongs to (``unroll``)."""
+        event, mark and op tagged with the decoder layer it belongs to (``unroll.LayerTags``)."""
 
         def __init__(self, last_step: int, attn_flop_scale: float, decompositions=None) -> None:
             super().__init__(decompositions=decompositions)
@@ -537,82 +537,29 @@ def _make_tracer():
             self.ops = OpCosts()
             self.last_step = last_step
             self.attn_flop_scale = attn_flop_scale
-            self.layer: int | None = None  # the decoder layer running (unroll.LayerContext)
-            self.after: int | None = None  # the layer that just returned, until the next op
-            self.tags: list[int | None] = []  # per log event
-            self.mark_tags: list[int | None] = []  # per mark
-            self.owners: dict[int, int | None] = {}  # storage key -> the layer that made it
-            self._taint: int | None = None  # optimizer step: the layer of the tensors last stepped
-
-        def _here(self) -> int | None:
-            return self.layer if self.layer is not None else self._taint
 
         @contextlib.contextmanager
         def in_phase(self, phase, step=None):
             outer = (self.phase, self.step)
-            if phase != "recompute":  # a recompute runs inside its layer's backward
-                self.layer = self.after = self._taint = None
             with super().in_phase(phase, step):
                 self.marks.append((len(self.log), phase, self.step))
                 self.mark_tags.append(self.layer)
                 try:
                     yield
                 finally:
-                    if phase != "recompute":
-                        self.layer = self.after = self._taint = None
+                    self.leave_phase(phase)
                     self.marks.append((len(self.log), outer[0], outer[1]))
                     self.mark_tags.append(self.layer)
-
-        def _add(self, key: int, nbytes: int) -> None:
-            owner = self._here()
-            self.owners[key] = owner
-            self.tags.append(owner)
-            super()._add(key, nbytes)
-
-        def _free(self, cdata: int, key: int) -> None:
-            rec = self.recs.get(key)
-            if rec is not None:  # in a layer; just after one (its input let go); else the maker's
-                here = self.layer if self.layer is not None else self.after
-                if here is None and self.phase == "optimizer" and rec.phase == "optimizer":
-                    here = self._taint  # a step's temporary, let go when the next tensor's step rebinds it
-                self.tags.append(here if here is not None else self.owners.get(key))
-            super()._free(cdata, key)
-
-        def _step_owner(self, args) -> tuple[int | None, bool]:
-            """The layer whose tensors an optimizer op steps (the most bytes among ``args``),
-            and whether it is a multi-tensor op over several layers (fused, foreach)."""
-            by: dict[int, int] = {}
-            spanning = False
-            for a in args:
-                layers = set()
-                for t in tree_leaves(a):
-                    if isinstance(t, torch.Tensor):
-                        layer = self._layer_of(t)
-                        if layer is not None:
-                            layers.add(layer)
-                            by[layer] = by.get(layer, 0) + t.numel() * t.element_size()
-                spanning |= isinstance(a, (list, tuple)) and len(layers) > 1
-            return (max(by, key=by.get) if by else None), spanning
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is scalar_read and isinstance(args[0], FakeTensor):
                 # a value read back (Adafactor's parameter RMS) decides no tensor's size;
                 # a fake tensor has none, so the trace reads 1
                 return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
-            spanning = False
-            if self.layer is None:
-                self.after = None
-            if self.phase == "optimizer" and self.layer is None:
-                owner, spanning = self._step_owner(args)
-                if owner is not None and not spanning:
-                    self._taint = owner
-            taint = self._taint
-            if spanning:
-                self._taint = None
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            if self.step == self.last_step and self.phase != "setup" and counter.counted(func):
-                self._cost(func, args, kwargs or {}, out)
-            self._taint = taint
+            with self.op_context(args):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                if self.step == self.last_step and self.phase != "setup" and counter.counted(func):
+                    self._cost(func, args, kwargs or {}, out)
             return out
 
         def _cost(self, func, args, kwargs, out) -> None:
@@ -620,21 +567,12 @@ def _make_tracer():
             flops = counter.flops(func, args, kwargs, out, self.attn_flop_scale)
             dim = counter.gemm_dim(func, args) if flops else 0.0
             phase = "backward" if self.phase == "recompute" else self.phase
-            tag = self._here()
+            tag = self.here()
             per_layer = None
             if tag is None:  # an op over many layers' tensors (a fused optimizer): their bytes by layer
-                per_layer = counter.bytes_by(func, args, kwargs, out, self._layer_of) or None
-            self.ops.add(
-                phase, func._overloadpacket.__name__, float(flops), float(nbytes), _dtype_class(dtype), dim,
-                tag, per_layer,
-            )
-
-        def _layer_of(self, t) -> int | None:
-            try:
-                key = self._keys.get(t.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                return None
-            return self.owners.get(key) if key is not None else None
+                per_layer = counter.bytes_by(func, args, kwargs, out, self.layer_of) or None
+            name = func._overloadpacket.__name__
+            self.ops.add(phase, name, float(flops), float(nbytes), _dtype_class(dtype), dim, tag, per_layer)
 
     return Tracer
 
@@ -743,7 +681,6 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.evaluators import runtime as rt
-    from autofit.evaluators.memtrack import round_block
 
     t0 = time.perf_counter()
     built = unroll.traced_spec(model, depth) if depth else model
@@ -756,31 +693,15 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     opt = rt.make_optimizer(plan, net)
     micro = min(plan.grad_accum, 2)
     traced = plan.replace(grad_accum=micro)
-    steps = [rt.batches_for(built, traced, workload, step=s) for s in range(2)]
-    fakes, rows = [], []
-    for batches in steps:
-        fs = []
-        for b in batches:
-            f, ls = _fake_batch(b, mode, flash2)
-            fs.append(f)
-            rows.append(ls)
-        fakes.append(fs)
-    scale = _attn_flop_scale(rows[micro:]) if flash2 else 1.0
+    fakes, scale = _fake_steps(built, traced, workload, mode, flash2)
     tokens = int(fakes[1][0]["input_ids"].numel())
     # bitsandbytes' gemm_4bit dequantizes the whole weight above 1536 rows on CUDA, always on the CPU
     tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
     kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
     layers = unroll.decoder_layers(net, model.family.decoder_layer)
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for t in rt.state_tensors(layer):
-            owner.setdefault(id(t), i)
     context = unroll.LayerContext(layers, tr)
     with _value_decisions(), mode, tr:
-        for t in rt.state_tensors(net):
-            tr.layer = owner.get(id(t))
-            tr.track([t], "weights")
-        tr.layer = None
+        _track_weights(tr, net, layers)
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
         # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
         # CUDA builds), so the target's kernels come from CudaKernels instead (docs/EVALUATORS.md)
@@ -799,10 +720,7 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     # the step's events, before the model's own end frees them
     log, tags, marks, mark_tags = list(tr.log), list(tr.tags), list(tr.marks), list(tr.mark_tags)
     kinds = {k: tr.classify(k) for k in tr.recs}
-    params = [p for p in net.parameters()]
-    n_params = sum(p.numel() for p in params)
-    n_trainable = sum(p.numel() for p in params if p.requires_grad)
-    grad_bytes = sum(round_block(p.numel() * p.element_size()) for p in params if p.requires_grad)
+    n_params, n_trainable, grad_bytes = _param_counts(list(net.parameters()))
     ops = tr.ops
     timings: dict[str, Any] = {"build_s": t_build - t0, "step_s": step_s, "layers_traced": len(layers)}
     if depth is not None:
@@ -811,11 +729,9 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         t = time.perf_counter()
         u = unroll.unroll(depth, log, tags, tr.owners, kinds, marks, mark_tags)
         log, kinds, marks, tags, ops = u.log, u.kinds, u.marks, u.tags, ops.unrolled(depth)
-        block = [p for layer in layers[depth.period : 2 * depth.period] for p in layer.parameters()]
-        more = depth.copies - 1
-        n_params += more * sum(p.numel() for p in block)
-        n_trainable += more * sum(p.numel() for p in block if p.requires_grad)
-        grad_bytes += more * sum(round_block(p.numel() * p.element_size()) for p in block if p.requires_grad)
+        template = [p for layer in layers[depth.period : 2 * depth.period] for p in layer.parameters()]
+        more = [(depth.copies - 1) * n for n in _param_counts(template)]
+        n_params, n_trainable, grad_bytes = n_params + more[0], n_trainable + more[1], grad_bytes + more[2]
         timings["unroll_s"] = time.perf_counter() - t
     peak, components, peak_phase = log_peak(log, kinds, marks)
     return Trace(
@@ -838,7 +754,50 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     )
 
 
-def log_peak(log: list[tuple[int, int]], kinds: dict[int, str], marks: list[tuple[int, str, int]]) -> tuple[int, dict[str, int], str]:
+def _track_weights(tr, net, layers: list) -> None:
+    """Register the model's tensors as weights, each tagged with the layer holding it."""
+    from autofit.evaluators import runtime as rt
+
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for t in rt.state_tensors(layer):
+            owner.setdefault(id(t), i)
+    for t in rt.state_tensors(net):
+        tr.layer = owner.get(id(t))
+        tr.track([t], "weights")
+    tr.layer = None
+
+
+def _fake_steps(model: ModelSpec, plan: Plan, workload: Workload, mode, flash2: bool) -> tuple[list, float]:
+    """Two steps' synthetic micro-batches as fake tensors, and flash2's attention FLOP scale."""
+    from autofit.evaluators import runtime as rt
+
+    fakes, rows = [], []
+    for step in range(2):
+        fs = []
+        for b in rt.batches_for(model, plan, workload, step=step):
+            f, ls = _fake_batch(b, mode, flash2)
+            fs.append(f)
+            rows.append(ls)
+        fakes.append(fs)
+    return fakes, (_attn_flop_scale(rows[plan.grad_accum :]) if flash2 else 1.0)
+
+
+def _param_counts(params: list) -> tuple[int, int, int]:
+    """Parameters, trainable parameters, and their gradients' bytes in allocator blocks."""
+    from autofit.evaluators.memtrack import round_block
+
+    trainable = [p for p in params if p.requires_grad]
+    return (
+        sum(p.numel() for p in params),
+        sum(p.numel() for p in trainable),
+        sum(round_block(p.numel() * p.element_size()) for p in trainable),
+    )
+
+
+def log_peak(
+    log: list[tuple[int, int]], kinds: dict[int, str], marks: list[tuple[int, str, int]]
+) -> tuple[int, dict[str, int], str]:
     """The log's peak: its first highest moment, the live bytes by component then, and the
     phase it fell in (what ``StorageTracker.snapshot`` reports while tracing)."""
     live = peak = 0

@@ -37,6 +37,7 @@ Imports nothing from torch at module level; the hooks are installed on a built m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 from collections.abc import Callable, Sequence
@@ -132,6 +133,95 @@ def canonical(log: list[tuple[int, int]]) -> list[tuple]:
 
 
 # -- tagging while tracing ----------------------------------------------------------------
+class LayerTags:
+    """Tags for a ``memtrack.StorageTracker``: each log event, phase mark and storage with the
+    decoder layer it belongs to (the rules: module docstring). Mixed in before the tracker;
+    :class:`LayerContext` moves ``layer`` and ``after``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layer: Tag = None  # the decoder layer running
+        self.after: Tag = None  # the layer that just returned, until the next op
+        self.tags: list[Tag] = []  # per log event
+        self.mark_tags: list[Tag] = []  # per phase mark
+        self.owners: dict[int, Tag] = {}  # storage key -> the layer that made it
+        self._taint: Tag = None  # optimizer step: the layer whose tensors were stepped last
+
+    def here(self) -> Tag:
+        return self.layer if self.layer is not None else self._taint
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str, step: int | None = None):
+        self.leave_phase(phase)
+        with super().in_phase(phase, step):
+            yield
+
+    def leave_phase(self, phase: str) -> None:
+        if phase != "recompute":  # a recompute runs inside its layer's backward
+            self.layer = self.after = self._taint = None
+
+    def _add(self, key: int, nbytes: int) -> None:
+        owner = self.here()
+        self.owners[key] = owner
+        self.tags.append(owner)
+        super()._add(key, nbytes)
+
+    def _free(self, cdata: int, key: int) -> None:
+        rec = self.recs.get(key)
+        if rec is not None:  # in a layer; just after one (its input let go); else the maker's
+            here = self.layer if self.layer is not None else self.after
+            if here is None and self.phase == "optimizer" and rec.phase == "optimizer":
+                here = self._taint  # a step's temporary, let go when the next tensor's step rebinds it
+            self.tags.append(here if here is not None else self.owners.get(key))
+        super()._free(cdata, key)
+
+    @contextlib.contextmanager
+    def op_context(self, args):
+        """Around one dispatched op: outside a layer it ends the moment after one; in the
+        optimizer step it tags by the layer whose tensors the op steps, and not at all an op
+        over several layers' lists (fused, foreach)."""
+        if self.layer is None:
+            self.after = None
+        taint = self._taint
+        if self.phase == "optimizer" and self.layer is None:
+            owner, spanning = self._step_owner(args)
+            if spanning:
+                self._taint = None
+            elif owner is not None:
+                self._taint = taint = owner
+        try:
+            yield
+        finally:
+            self._taint = taint
+
+    def _step_owner(self, args) -> tuple[Tag, bool]:
+        """The layer owning the most bytes among ``args``, and whether one argument is a list
+        of several layers' tensors."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        by: dict[int, int] = {}
+        spanning = False
+        for a in args:
+            layers = set()
+            for t in tree_leaves(a):
+                if isinstance(t, torch.Tensor):
+                    layer = self.layer_of(t)
+                    if layer is not None:
+                        layers.add(layer)
+                        by[layer] = by.get(layer, 0) + t.numel() * t.element_size()
+            spanning |= isinstance(a, (list, tuple)) and len(layers) > 1
+        return (max(by, key=by.get) if by else None), spanning
+
+    def layer_of(self, t) -> Tag:
+        """The layer that made the storage of tensor ``t`` (None: none, or not tracked)."""
+        try:
+            key = self._keys.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return self.owners.get(key) if key is not None else None
+
+
 class LayerContext:
     """Keeps ``tracker.layer`` on the decoder layer that runs, forward and backward.
 

@@ -31,23 +31,50 @@ FULL = dict(precision="bf16-mixed", attention="sdpa", checkpointing="full", micr
 EAGER_8BIT = dict(precision="bf16-mixed", attention="eager", optimizer="adamw-8bit", micro_batch=2, grad_accum=1)
 LORA = dict(method="lora", lora_rank=8, precision="bf16-mixed", attention="eager", micro_batch=1, grad_accum=2)
 QLORA = dict(
-    method="qlora", lora_rank=16, precision="bf16-mixed", checkpointing="full", attention="flash2", fused_loss=True,
-    micro_batch=1, grad_accum=2,
+    method="qlora",
+    lora_rank=16,
+    precision="bf16-mixed",
+    checkpointing="full",
+    attention="flash2",
+    fused_loss=True,
+    micro_batch=1,
+    grad_accum=2,
 )
-ZERO3 = dict(precision="fp16-mixed", attention="eager", sharding="zero3", optimizer="adafactor", micro_batch=1, grad_accum=4)
+ZERO3 = dict(
+    precision="fp16-mixed", attention="eager", sharding="zero3", optimizer="adafactor", micro_batch=1, grad_accum=4
+)
 PACKED = dict(precision="bf16-true", attention="flash2", packing=True, micro_batch=2, grad_accum=1)
 PLANS = {"full": FULL, "eager-8bit": EAGER_8BIT, "lora": LORA, "qlora": QLORA, "zero3": ZERO3, "packed": PACKED}
 
 # one model per family of the registry; gemma-2's layers alternate (period 2)
 FAMILIES = [
-    "mistral-7b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-9b", "phi-3-mini", "gemma-2b", "phi-2",
-    "stablelm-base-alpha-3b", "bloom-7b1", "falcon-40b", "gpt2", "bert-large-uncased",
+    "mistral-7b",
+    "llama-3.2-1b",
+    "qwen2.5-0.5b",
+    "gemma-2-9b",
+    "phi-3-mini",
+    "gemma-2b",
+    "phi-2",
+    "stablelm-base-alpha-3b",
+    "bloom-7b1",
+    "falcon-40b",
+    "gpt2",
+    "bert-large-uncased",
 ]
 # the default suite: every family once and every plan at least once
 FAST = [
-    ("mistral-7b", "qlora"), ("llama-3.2-1b", "full"), ("qwen2.5-0.5b", "zero3"), ("gemma-2-9b", "lora"),
-    ("phi-3-mini", "eager-8bit"), ("gemma-2b", "full"), ("phi-2", "lora"), ("stablelm-base-alpha-3b", "zero3"),
-    ("bloom-7b1", "eager-8bit"), ("falcon-40b", "lora"), ("gpt2", "full"), ("bert-large-uncased", "lora"),
+    ("mistral-7b", "qlora"),
+    ("llama-3.2-1b", "full"),
+    ("qwen2.5-0.5b", "zero3"),
+    ("gemma-2-9b", "lora"),
+    ("phi-3-mini", "eager-8bit"),
+    ("gemma-2b", "full"),
+    ("phi-2", "lora"),
+    ("stablelm-base-alpha-3b", "zero3"),
+    ("bloom-7b1", "eager-8bit"),
+    ("falcon-40b", "lora"),
+    ("gpt2", "full"),
+    ("bert-large-uncased", "lora"),
     ("llama-3.2-1b", "packed"),
 ]
 SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
@@ -162,14 +189,24 @@ def test_unroll_of_a_hand_made_log():
     marks = [(0, "forward", 0), (6, "setup", 0)]
     out = unroll.unroll(depth, log, tags, owners, kinds, marks, [None, None])
     assert canonical(out.log) == [
-        ("+", 10), ("+", 10), ("-", -10, 0), ("+", 10), ("-", -10, 1), ("+", 10), ("-", -10, 2),
-        ("+", 10), ("-", -10, 3), ("-", -10, 4),
+        ("+", 10),
+        ("+", 10),
+        ("-", -10, 0),
+        ("+", 10),
+        ("-", -10, 1),
+        ("+", 10),
+        ("-", -10, 2),
+        ("+", 10),
+        ("-", -10, 3),
+        ("-", -10, 4),
     ]
     assert out.tags == [0, 1, 1, 2, 2, 3, 3, 4, 4, None]
     assert out.marks == [(0, "forward", 0), (10, "setup", 0)]
     # a layer unlike the one it stands for has no counterpart to free
     with pytest.raises(unroll.UnrollError):
-        unroll.unroll(depth, [(0, 10), (1, 11), (0, -10), (2, 11), (1, -11), (2, -11)], tags, owners, kinds, marks, [None, None])
+        unroll.unroll(
+            depth, [(0, 10), (1, 11), (0, -10), (2, 11), (1, -11), (2, -11)], tags, owners, kinds, marks, [None, None]
+        )
 
 
 def test_a_free_of_nothing_alive_is_refused():
