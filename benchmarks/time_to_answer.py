@@ -185,37 +185,18 @@ def simulated_times(quick: bool) -> list[dict]:
             ctx = build_context(model, gpus)
             per_rank = ctx.workload.global_batch // ctx.cluster.world_size
             plan = Plan(micro_batch=1, grad_accum=per_rank, **PLANS[name])
+            row = dict(size=size, model=model, gpus=gpus, plan=plan.summary(), s=float("nan"), layers="")
             problems = plan_problems(plan, ctx.model, ctx.cluster, ctx.workload)
             if problems:
-                out.append(
-                    dict(
-                        size=size,
-                        model=model,
-                        gpus=gpus,
-                        plan=plan.summary(),
-                        s=float("nan"),
-                        result="invalid: " + "; ".join(problems),
-                        layers="",
-                    )
-                )
+                out.append({**row, "result": "invalid: " + "; ".join(problems)})
                 continue
             t0 = time.perf_counter()
             r = SimulatedEvaluator(TraceCache()).evaluate(plan, ctx)
-            dt = time.perf_counter() - t0
-            layers = r.extra.get("timings", {}).get("layers_traced", "")
-            out.append(
-                dict(
-                    size=size,
-                    model=model,
-                    gpus=gpus,
-                    plan=plan.summary(),
-                    s=dt,
-                    layers=layers,
-                    result=f"{r.status.value}, {r.tokens_per_sec:,.0f} tokens/s",
-                )
-            )
+            row["s"] = time.perf_counter() - t0
+            row["layers"] = r.extra.get("timings", {}).get("layers_traced", "")
+            out.append({**row, "result": f"{r.status.value}, {r.tokens_per_sec:,.0f} tokens/s"})
             print(
-                f"  simulated {model} {plan.summary()}: {dt:.1f} s ({r.status.value}, {layers} layers traced)",
+                f"  simulated {model} {plan.summary()}: {row['s']:.1f} s ({r.status.value}, {row['layers']} layers traced)",
                 flush=True,
             )
     return out

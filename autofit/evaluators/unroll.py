@@ -309,7 +309,7 @@ def unroll(
         """The (traced key, copy) a free at ``tag`` (in template ``copy``) frees."""
         owner = owners.get(key)
         if owner is None or (copy is None and depth.block(owner) != 1):
-            return key, None
+            return key, None  # neither side repeats: the storage itself
         if tag is None:
             raise UnrollError(f"an event outside the layers frees storage {key} of layer {owner}")
         at = depth.full_layer(tag, copy) + owner - tag  # the full model's layer that made it
