@@ -98,7 +98,10 @@ def target_options(fn: Callable | None = None, *, required: bool = True) -> Call
             "--global-batch",
             type=click.IntRange(min=1),
             default=None,
-            help="Sequences per optimizer step (default: micro-batch × grad-accum × GPUs).",
+            help=(
+                "Sequences per optimizer step (default: --micro-batch × --grad-accum × GPUs where both are given, "
+                "else 16 rounded up to a multiple of the GPU count)."
+            ),
         ),
         click.option(
             "--lengths",

@@ -10,7 +10,7 @@ from typing import Any
 
 from autofit.errors import PlanError, SpecError
 from autofit.plan import Plan, Precision
-from autofit.specs import ClusterSpec, Target, Workload, load_lengths, parse_cluster, resolve_model
+from autofit.specs import ClusterSpec, ModelSpec, Target, Workload, load_lengths, parse_cluster, resolve_model
 from autofit.specs.units import parse_size
 
 DEFAULT_GLOBAL_BATCH = 16
@@ -49,11 +49,31 @@ def build_context(
         if opts.get("micro_batch") is not None and opts.get("grad_accum") is not None:
             global_batch = opts["micro_batch"] * opts["grad_accum"] * cluster.world_size
         else:
-            global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
+            # whole sequences per GPU
+            global_batch = -(-DEFAULT_GLOBAL_BATCH // cluster.world_size) * cluster.world_size
     lengths = load_lengths(lengths_path) if lengths_path else None
     if not 0 <= headroom < 1:
         raise SpecError(f"--headroom must be in [0, 1), got {headroom}")
-    return Target(spec, cluster, Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths), headroom)
+    workload = Workload(seq_len=seq_len, global_batch=global_batch, lengths=lengths)
+    check_positions(spec, seq_len)
+    return Target(spec, cluster, workload, headroom)
+
+
+def check_positions(model: ModelSpec, seq_len: int) -> None:
+    """Refuse a sequence the model cannot train on (``ModelSpec.position_limit``), in one line."""
+    limit = model.position_limit
+    if limit is None or seq_len <= limit:
+        return
+    if model.family.positions == "learned":
+        why = f"{model.name} has {limit:,} learned positions and fails past them"
+        fix = f"give --seq-len {limit} or less"
+    else:
+        scaled = dict(model.hf_extra).get("rope_parameters")
+        why = f"{model.name} was trained on {limit:,} positions" + (
+            " (with its RoPE scaling)" if scaled else " and its config sets no RoPE scaling"
+        )
+        fix = f"give --seq-len {limit} or less, or a local config.json whose rope_parameters scale RoPE that far"
+    raise SpecError(f"--seq-len {seq_len:,} is too long: {why}; {fix}")
 
 
 def with_cpu_budget(cluster: ClusterSpec, budget: str | int) -> ClusterSpec:

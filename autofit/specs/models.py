@@ -492,6 +492,25 @@ class ModelSpec:
         return int(self.head_dim * self.rotary_fraction)
 
     @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model can be trained on; None where nothing limits it (ALiBi).
+
+        Learned positions (GPT-2, BERT) index a table of ``max_position_embeddings`` rows: a
+        longer sequence crashes. RoPE runs past its positions but was not trained there,
+        unless the config scales it (``rope_parameters``: linear, dynamic, yarn, llama3 ...):
+        then ``original_max_position_embeddings × factor`` or ``max_position_embeddings ×
+        factor`` where the config gives no original (transformers' ``modeling_rope_utils``).
+        """
+        positions, limit = self.family.positions, self.max_position_embeddings
+        if positions == "alibi":
+            return None
+        rope = dict(dict(self.hf_extra).get("rope_parameters") or ())
+        if positions != "rope" or not _is_number(rope.get("factor")):
+            return limit
+        scaled = rope.get("original_max_position_embeddings") or limit
+        return max(limit, int(scaled * rope["factor"]))
+
+    @property
     def dropouts(self) -> frozenset[str]:
         """Where the model trains with dropout: ``attention``, ``residual``, ``embedding``."""
         f = self.family
@@ -648,7 +667,7 @@ class ModelSpec:
             kw["head_dim"] = self.head_dim
         kw = {f.config_key(k): v for k, v in kw.items() if f.config_key(k)}  # bloom has no MLP width field
         kw.update({k: value for k, (value, _) in f.config_fixed.items()})
-        kw.update(dict(self.hf_extra))
+        kw.update({k: dict(v) if k == "rope_parameters" else v for k, v in self.hf_extra})
         return kw
 
     def to_hf_config(self):
@@ -792,7 +811,27 @@ def _config_extra(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[st
             raise SpecError(f"{where}: {key!r} must be a probability in [0, 1), got {_shown(p)}; fix it in the config")
         if p:
             extra.append((key, p))
-    return tuple(extra)
+    return tuple(extra) + _config_rope_scaling(d, f, where)
+
+
+def _config_rope_scaling(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[str, Any], ...]:
+    """RoPE scaling where the config sets one (``rope_parameters``, or transformers 4's
+    ``rope_scaling``, with a ``rope_type`` other than "default"), as ``rope_parameters``: it
+    decides how long a sequence the model trains on (``ModelSpec.position_limit``)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    if f.positions != "rope" or not isinstance(rope, Mapping):
+        return ()
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return ()
+    factor = rope.get("factor")
+    if not (_is_number(factor) and factor >= 1):
+        raise SpecError(
+            f"{where}: RoPE scaling {kind!r} needs a 'factor' of at least 1, got {_shown(factor)}; fix it in the config"
+        )
+    # as sorted pairs (a spec is hashable); the family's rotary_key holds a partial rotary factor
+    kept = {**{k: _tuples(v) for k, v in rope.items() if k not in ("partial_rotary_factor", "type")}, "rope_type": kind}
+    return (("rope_parameters", tuple(sorted(kept.items()))),)
 
 
 def _is_number(value: Any) -> bool:

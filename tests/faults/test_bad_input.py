@@ -112,15 +112,19 @@ CASES = [
     ("hub id offline", EST + ["-m", "nobody/no-such-model", "-g", "1xA10"], "cannot fetch the config of hub id"),
     ("config without fields", EST + ["-m", "{d}/nofields", "-g", "1xA10"], "lacks the fields"),
     ("unsupported model type", EST + ["-m", "{d}/mamba.json", "-g", "1xA10"], "not supported"),
-    ("unknown GPU", EST + ["-m", "gpt2", "-g", "1xB300"], "unknown GPU"),
-    ("zero GPUs", EST + ["-m", "gpt2", "-g", "0xA10"], "at least 1"),
-    ("negative GPUs", EST + ["-m", "gpt2", "-g", "-1xA10"], "at least 1"),
-    ("two counts", EST + ["-m", "gpt2", "-g", "2xA10x3"], "malformed"),
-    ("seq len 0", EST + ["-m", "gpt2", "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
-    ("batch not divisible", ["estimate", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8"], "not divisible"),
+    ("unknown GPU", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xB300"], "unknown GPU"),
+    ("zero GPUs", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "0xA10"], "at least 1"),
+    ("negative GPUs", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "-1xA10"], "at least 1"),
+    ("two counts", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "2xA10x3"], "malformed"),
+    ("seq len 0", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
+    (
+        "batch not divisible",
+        ["estimate", "-m", "gpt2", "--seq-len", "1024", "-g", "3xA10", "--global-batch", "8"],
+        "not divisible",
+    ),
     (
         "search batch not divisible",
-        ["search", "-m", "gpt2", "-g", "3xA10", "--global-batch", "8", "--evaluator", "analytic"],
+        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "3xA10", "--global-batch", "8", "--evaluator", "analytic"],
         "multiple of the 3 GPUs",
     ),
     (
@@ -129,6 +133,8 @@ CASES = [
             "search",
             "-m",
             "gpt2",
+            "--seq-len",
+            "1024",
             "-g",
             "1xA10",
             "--methods",
@@ -140,7 +146,11 @@ CASES = [
         ],
         "qlora computes in 16-bit",
     ),
-    ("unknown method", ["search", "-m", "gpt2", "-g", "1xA10", "--methods", "full,dora"], "--methods"),
+    (
+        "unknown method",
+        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--methods", "full,dora"],
+        "--methods",
+    ),
     ("study file unknown key", ["search", "--config", "{d}/unknown.yaml"], "unknown key 'colour'"),
     ("study file wrong type", ["search", "--config", "{d}/types.yaml"], "'trials' must be int"),
     ("study file not YAML", ["search", "--config", "{d}/notyaml.yaml"], "not valid YAML"),
@@ -151,13 +161,31 @@ CASES = [
     ("unknown study in export", ["export", "nope", "--out", "{d}/o", "--db", "{d}/ok.db"], "no study named 'nope'"),
     (
         "bad duration",
-        ["search", "-m", "gpt2", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
+        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
         "cannot read duration",
     ),
-    ("bad host memory", EST + ["-m", "gpt2", "-g", "1xA10", "--host-mem", "lots"], "cannot read size"),
+    (
+        "bad host memory",
+        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--host-mem", "lots"],
+        "cannot read size",
+    ),
     (
         "fresh and resume",
-        ["search", "-m", "gpt2", "-g", "1xA10", "--evaluator", "analytic", "--fresh", "--resume", "--db", "{d}/ok.db"],
+        [
+            "search",
+            "-m",
+            "gpt2",
+            "--seq-len",
+            "1024",
+            "-g",
+            "1xA10",
+            "--evaluator",
+            "analytic",
+            "--fresh",
+            "--resume",
+            "--db",
+            "{d}/ok.db",
+        ],
         "give only one",
     ),
 ]
@@ -291,12 +319,12 @@ SPEC_CASES = [
     ),
     (
         "negative seed",
-        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "-1"],
+        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seed", "-1"],
         "'--seed': -1 is not in the range 0<=x<=4294967295",
     ),
     (
         "seed past numpy's range",
-        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seed", "99999999999"],
+        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seed", "99999999999"],
         "'--seed': 99999999999 is not in",
     ),
     (
@@ -306,30 +334,52 @@ SPEC_CASES = [
     ),
     (
         "cpu budget beyond the machine",
-        EST + ["-m", "gpt2", "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
+        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
         "exceeds this machine's",
     ),
-    ("absurd GPU count", EST + ["-m", "gpt2", "-g", "99999999999999999999xT4"], "more than any node holds (at most 72"),
-    ("73 GPUs per node", SPEC_SEARCH + ["-m", "gpt2", "-g", "73xT4"], "more than any node holds (at most 72"),
+    (
+        "absurd GPU count",
+        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "99999999999999999999xT4"],
+        "more than any node holds (at most 72",
+    ),
+    (
+        "73 GPUs per node",
+        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "73xT4"],
+        "more than any node holds (at most 72",
+    ),
     (
         "absurd node count",
-        EST + ["-m", "gpt2", "-g", "1xT4", "--nodes", "99999999999999999999"],
+        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--nodes", "99999999999999999999"],
         "--nodes 99,999,999,999,999,999,999",
     ),
     (
         "absurd seq len",
-        EST + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
+        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seq-len", "99999999999"],
         "--seq-len 99,999,999,999 is beyond",
     ),
     (
         "absurd seq len in search",
-        SPEC_SEARCH + ["-m", "gpt2", "-g", "1xT4", "--seq-len", "99999999999"],
+        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seq-len", "99999999999"],
         "is beyond the 1,048,576",
     ),
 ]
 
 # databases, study names, work dirs (store/, cli/)
-SEARCH = ["search", "-m", "gpt2", "-g", "1xA10", "--global-batch", "8", "--evaluator", "analytic", "--out", ""]
+SEARCH = [
+    "search",
+    "-m",
+    "gpt2",
+    "--seq-len",
+    "1024",
+    "-g",
+    "1xA10",
+    "--global-batch",
+    "8",
+    "--evaluator",
+    "analytic",
+    "--out",
+    "",
+]
 MEASURED = [
     "search",
     "-m",
@@ -424,6 +474,8 @@ def test_unknown_trial_in_export(tmp_path):
             "search",
             "-m",
             "gpt2",
+            "--seq-len",
+            "1024",
             "-g",
             "1xA10",
             "--global-batch",
@@ -444,7 +496,32 @@ def test_unknown_trial_in_export(tmp_path):
     assert r.exit_code != 0 and "has no trial 99" in r.output and "Traceback" not in r.output
 
 
-def test_seq_len_beyond_the_model_warns():
-    r = CliRunner().invoke(cli, ["estimate", "-m", "gpt2", "-g", "1xA10", "--seq-len", "4096", "--global-batch", "1"])
-    assert r.exit_code == 0
-    assert "beyond gpt2's 1024 positions" in r.output
+@pytest.mark.parametrize("command", ["estimate", "search"])
+def test_seq_len_past_the_positions_is_refused_in_one_line(command, tmp_path):
+    tail = ["--backend", "analytic", "--db", f"sqlite:///{tmp_path}/s.db"] if command == "search" else []
+    for model, seq, fragment in [
+        ("gpt2", "2048", "--seq-len 2,048 is too long: gpt2 has 1,024 learned positions and fails past them"),
+        ("llama-2-7b", "8192", "llama-2-7b was trained on 4,096 positions and its config sets no RoPE scaling"),
+    ]:
+        r = CliRunner().invoke(cli, [command, "-m", model, "-g", "1xA100", "--seq-len", seq, *tail])
+        lines = [line for line in r.output.splitlines() if line.strip()]
+        assert r.exit_code != 0 and len(lines) == 1 and fragment in lines[0], r.output
+
+
+def test_a_config_that_scales_rope_trains_past_its_positions(tmp_path):
+    from autofit.specs import resolve_model
+
+    cfg = resolve_model("llama-2-7b").to_hf_config().to_dict()
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["estimate", "-m", str(tmp_path / "config.json"), "-g", "1xA100", "--backend", "analytic", "--json"]
+    assert CliRunner().invoke(cli, [*args, "--seq-len", "8192"]).exit_code == 0
+    r = CliRunner().invoke(cli, [*args, "--seq-len", "8193"])
+    assert r.exit_code != 0 and "trained on 8,192 positions (with its RoPE scaling)" in r.output
+
+
+def test_alibi_has_no_position_table_and_warns():
+    r = CliRunner().invoke(
+        cli, ["estimate", "-m", "bloom-7b1", "-g", "1xA100", "--seq-len", "4096", "--global-batch", "1"]
+    )
+    assert r.exit_code == 0 and "beyond bloom-7b1's 2048 positions" in r.output

@@ -119,7 +119,7 @@ def test_a_plan_interrupted_before_its_result_is_run_again_on_resume(store):
 def test_duplicates_do_not_use_up_the_budget(store):
     """A plan the sampler proposes again is not an evaluation: the study still stores exactly
     ``trials`` plans (before the fix: 21 of 24 with this seed)."""
-    ctx = build_context("gpt2", "1xT4", seq_len=2048, global_batch=16)
+    ctx = build_context("gpt2", "1xT4", seq_len=1024, global_batch=16)
     req = SearchRequest(ctx=ctx, allowed=Allowed(), evaluator="analytic", trials=24, seed=4)
     out = run_search(req, store)
     rows = store.trials(out.study.id)

@@ -34,17 +34,17 @@ def test_fixed_trial_gives_the_plan():
 
 
 @pytest.mark.parametrize(
-    "model,gpus",
+    "model,gpus,seq_len",
     [
-        ("mistral-7b", "2xA10"),
-        ("llama-3-70b", "8xH100"),
-        ("gpt2-xl", "1xT4"),
-        ("gemma-2-9b", "1xA100-80GB"),
-        ("bert-large-uncased", "4xV100-32GB"),
+        ("mistral-7b", "2xA10", 2048),
+        ("llama-3-70b", "8xH100", 2048),
+        ("gpt2-xl", "1xT4", 1024),
+        ("gemma-2-9b", "1xA100-80GB", 2048),
+        ("bert-large-uncased", "4xV100-32GB", 512),
     ],
 )
-def test_every_plan_of_the_space_is_valid_and_keeps_the_global_batch(model, gpus):
-    s = space(model, gpus)
+def test_every_plan_of_the_space_is_valid_and_keeps_the_global_batch(model, gpus, seq_len):
+    s = space(model, gpus, seq_len=seq_len)
     plans = list(s.enumerate())
     assert len(plans) > 100
     assert check_space(s, iter(plans)) == []
@@ -59,7 +59,7 @@ def test_quality_choices_come_only_from_what_is_allowed():
     assert {p.optimizer for p in plans} == {Optimizer.ADAMW}
     assert {p.precision for p in plans} == {Precision.BF16_MIXED}
     assert {p.lora_rank for p in plans} == {16}
-    t4 = list(space("gpt2", "1xT4").enumerate())
+    t4 = list(space("gpt2", "1xT4", seq_len=1024).enumerate())
     assert {p.precision for p in t4} == {Precision.FP16_MIXED}
 
 
@@ -70,7 +70,7 @@ def test_conditional_knobs():
         p.offload is Offload.NONE or p.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP) for p in plans
     )
     assert not any(p.packing for p in plans)  # no length distribution: packing gains nothing
-    single = list(space("gpt2", "1xA10").enumerate())
+    single = list(space("gpt2", "1xA10", seq_len=1024).enumerate())
     assert all(p.sharding is Sharding.NONE or p.offload is not Offload.NONE for p in single)
 
 
@@ -95,7 +95,7 @@ def test_contradictory_choices_are_refused():
     with pytest.raises(SpecError, match="qlora computes in 16-bit"):
         space(allowed=Allowed.parse(methods="qlora", precisions="32-true"))
     with pytest.raises(SpecError, match="allow fp16-mixed"):
-        space("gpt2", "1xT4", allowed=Allowed.parse(precisions="bf16-mixed"))
+        space("gpt2", "1xT4", seq_len=1024, allowed=Allowed.parse(precisions="bf16-mixed"))
     with pytest.raises(SpecError, match="multiple of the 2 GPUs"):
         space(global_batch=15)
 

@@ -102,7 +102,7 @@ def test_study_file_values_obey_the_cli_ranges_and_nothing_is_stored(tmp_path):
         ("nodes: 0", "'nodes': 0 is not in the range x>=1"),
     ]:
         p = tmp_path / "s.yaml"
-        p.write_text(f"model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\n{line}\n")
+        p.write_text(f"model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nbackend: analytic\n{line}\n")
         r = CliRunner().invoke(cli, ["search", "--config", str(p), "--db", str(db), "--out", ""])
         assert r.exit_code != 0 and fragment in r.output and "Traceback" not in r.output, r.output
     assert not db.exists()
@@ -114,7 +114,7 @@ def test_the_command_line_still_overrides_an_out_of_range_file_value(tmp_path):
     from autofit.cli import cli
 
     p = tmp_path / "s.yaml"
-    p.write_text("model: gpt2\ngpus: 1xA10\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n")
+    p.write_text("model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n")
     r = CliRunner().invoke(
         cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"), "--out", "", "--json"]
     )
