@@ -10,14 +10,30 @@ from autofit.specs import GPUS, MODELS
 
 
 @click.command()
+@click.option(
+    "--custom",
+    "custom",
+    metavar="GPU",
+    default=None,
+    help="Show one GPU as --gpus reads it instead: a memory (24GiB) or a YAML spec's path (or a catalog name).",
+)
 @json_option
 @handle_errors
-def gpus(as_json: bool) -> None:
+def gpus(custom: str | None, as_json: bool) -> None:
     """List the GPU catalog (dense peak rates from vendor datasheets)."""
+    from autofit.specs.cluster import parse_cluster
+
+    cards = [parse_cluster(custom).gpu] if custom else list(GPUS.values())  # as --gpus reads it
     if as_json:
-        click.echo(console.dumps([console.gpu_dict(g) for g in GPUS.values()]))
+        click.echo(console.dumps([console.gpu_dict(g) for g in cards]))
         return
-    console.terminal().print(console.gpus_table(GPUS.values()))
+    term = console.terminal()
+    term.print(console.gpus_table(cards))
+    for g in cards:
+        if custom:
+            term.print(f"source: {g.source}", highlight=False)
+        if g.assumption:
+            term.print(f"[yellow]assumed[/yellow]: {g.assumption}", highlight=False)
 
 
 @click.command()

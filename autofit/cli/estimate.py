@@ -40,6 +40,7 @@ def estimate(
     model,
     gpus,
     nodes,
+    inter_node_gbps,
     host_mem,
     seq_len,
     global_batch,
@@ -62,6 +63,7 @@ def estimate(
         gpus,
         nodes=nodes,
         host_mem=host_mem,
+        inter_node_gbps=inter_node_gbps,
         seq_len=seq_len,
         global_batch=global_batch,
         lengths_path=lengths_path,
@@ -84,7 +86,7 @@ def estimate(
     for warning in ctx_warnings(ctx):
         term.print(f"[yellow]warning[/yellow]: {warning}")
     if as_json:
-        click.echo(console.dumps(result.as_dict()))
+        click.echo(console.dumps({**result.as_dict(), **console.cluster_dict(ctx.cluster)}))
     elif result.memory is None:  # a measured run that failed, timed out or could not run here
         term.print(f"[red]{result.status.value}[/red]: {result.reason}")
     else:

@@ -83,13 +83,22 @@ def target_options(fn: Callable | None = None, *, required: bool = True) -> Call
             "--gpus",
             "-g",
             required=required,
-            help="GPUs per node as COUNTxGPU, e.g. 2xA10, 8xH100, 1xcpu (`autofit gpus`).",
+            help="GPUs per node as COUNTxGPU: a catalog GPU (`autofit gpus`), e.g. 2xA10, 8xH100, 1xcpu; "
+            "a memory, e.g. 2x24GiB (rates assumed, and said); or a YAML spec, e.g. 2xcard.yaml (docs/DESIGN.md).",
         ),
         click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of nodes."),
         click.option(
+            "--inter-node-gbps",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Each node's network between nodes, GB/s one way, all its NICs together (InfiniBand/RoCE; "
+            "8x400 Gb/s = 400) [default: 25, one 200 Gb/s NIC]. Used with --nodes > 1.",
+        ),
+        click.option(
             "--host-mem",
             default=None,
-            help="Host memory per node for offload, e.g. 256GiB (default: twice the node's GPU memory).",
+            help="Host memory per node for offload, e.g. 256GiB (default: this node's RAM where the GPUs are "
+            "this machine's, else twice the node's GPU memory, which the answer names as assumed).",
         ),
         click.option(
             "--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length in tokens."

@@ -109,6 +109,7 @@ def search(cctx: click.Context, **opts):
         opts["gpus"],
         nodes=opts["nodes"],
         host_mem=opts["host_mem"],
+        inter_node_gbps=opts["inter_node_gbps"],
         seq_len=opts["seq_len"],
         global_batch=opts["global_batch"],
         lengths_path=opts["lengths_path"],

@@ -39,6 +39,11 @@ def resolve_evaluator(name: str, ctx: Target) -> str:
     """``auto``: the most faithful evaluator available for the target cluster."""
     if name not in EVALUATOR_CHOICES:
         raise AutofitError(f"unknown evaluator {name!r}; use one of {', '.join(EVALUATOR_CHOICES)}")
+    if ctx.cluster.gpu.analytic_only and name in ("simulated", "measured"):
+        raise AutofitError(
+            f"the {name} evaluator cannot model {ctx.cluster.gpu.name}: it traces the kernels CUDA PyTorch runs, "
+            "not ROCm's; use --evaluator analytic (or auto)"
+        )
     if name == "measured":
         from autofit.evaluators.measured import target_device
 
@@ -50,11 +55,14 @@ def resolve_evaluator(name: str, ctx: Target) -> str:
 
 
 def _auto(ctx: Target) -> str:
-    """Measure when this machine has the target GPUs (model and count, one node), else simulate.
+    """Measure when this machine has the target GPUs (model and count, one node), else simulate;
+    analytic-only GPUs (AMD) get the analytic evaluator.
 
     The local-CPU target (``1xcpu``) is never measured by ``auto``: it exists to plan and
     test without a GPU, where a real run takes minutes; ``--evaluator measured`` asks for one.
     """
+    if ctx.cluster.gpu.analytic_only:  # AMD: no trace says which ROCm kernels run (specs.gpus)
+        return "analytic"
     if ctx.cluster.gpu.kind == "cuda" and ctx.cluster.nodes == 1:
         from autofit.evaluators.measured import local_gpus_match
 

@@ -60,8 +60,8 @@ def fit_margin(evaluator: str, kind: str = "cuda") -> float:
     """The share by which an estimator's device total must be raised to cover 95% of published
     GPU runs (``evidence.json``, written by ``benchmarks/published_runs.py --write-evidence``;
     docs/EVALUATORS.md). The CPU target has none: the simulator agrees with real CPU steps to
-    the byte; a measurement needs none."""
-    if kind != "cuda":
+    the byte; a measurement needs none. ROCm GPUs (analytic only) take the GPU runs' margin."""
+    if kind == "cpu":
         return 0.0
     return float(_evidence()["fit_margin"].get(evaluator, {}).get("margin", 0.0))
 

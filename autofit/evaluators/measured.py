@@ -110,6 +110,8 @@ def target_device(ctx: Target) -> str:
         raise AutofitError(f"measured runs use this machine only; {cluster.label} spans {cluster.nodes} nodes")
     if cluster.gpu.kind == "cpu":
         return "cpu"
+    if cluster.gpu.analytic_only:  # ROCm: the runner and its memory tracking are CUDA's
+        raise AutofitError(f"the measured evaluator cannot run {cluster.gpu.name} (ROCm); use --evaluator analytic")
     local = local_gpus()
     if not local_gpus_match(cluster, local):
         have = f"{len(local)}x{local[0].name if local[0] else 'unknown GPU'}" if local else "no CUDA GPU"

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from autofit.errors import AutofitError
 from autofit.evaluators import costs, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
@@ -45,6 +46,8 @@ class TraceDevice:
 
     @classmethod
     def of(cls, gpu: GPUSpec) -> TraceDevice:
+        if gpu.analytic_only:  # the trace follows CUDA PyTorch's kernel choice, not ROCm's
+            raise AutofitError(f"the simulated evaluator cannot model {gpu.name} (ROCm); use --evaluator analytic")
         return cls("cpu") if gpu.kind == "cpu" else cls("cuda", tuple(gpu.compute_capability))
 
 

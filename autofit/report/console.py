@@ -90,6 +90,7 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
         )
     if m.host_bytes:
         console.print(f"host memory per node: {gib(m.host_bytes)} GiB of {gib(ctx.cluster.host_memory_bytes)} GiB")
+    print_assumptions(console, ctx.cluster)
     if result.throughput:
         t = result.throughput
         console.print(
@@ -98,13 +99,24 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
         )
 
 
+def print_assumptions(console: Console, cluster) -> None:
+    """What the cluster's figures assume (host memory, a custom GPU's rates): every answer says it."""
+    for line in cluster.assumptions():
+        console.print(f"[yellow]assumed[/yellow]: {line}", highlight=False)
+
+
+def cluster_dict(cluster) -> dict[str, Any]:
+    """The cluster of an answer, for ``--json``: its stored form and what it assumes."""
+    return {"cluster": cluster.as_dict(), "assumptions": list(cluster.assumptions())}
+
+
 def gpus_table(gpus: Iterable[GPUSpec]) -> Table:
     table = Table(show_header=True, header_style="bold")
     for col in ("GPU", "memory GiB", "bf16 TFLOP/s", "fp16", "tf32", "fp32", "HBM GB/s", "link", "link GB/s", "cc"):
         table.add_column(col, justify="left" if col in ("GPU", "link") else "right")
     for g in gpus:
         table.add_row(
-            g.name,
+            g.name + (" [dim](ROCm: analytic only)[/dim]" if g.analytic_only else ""),
             f"{g.memory_gib:.1f}",
             f"{g.bf16_tflops:g}" if g.bf16_tflops else "-",
             f"{g.fp16_tflops:g}",
@@ -133,7 +145,10 @@ def gpu_dict(g: GPUSpec) -> dict[str, Any]:
         "compute_capability": list(g.compute_capability),
         "supports_bf16": g.supports_bf16,
         "supports_flash2": g.supports_flash2,
+        "kind": g.kind,
+        "analytic_only": g.analytic_only,
         "source": g.source,
+        **({"assumption": g.assumption} if g.assumption else {}),
     }
 
 
@@ -416,6 +431,7 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
         "exported": [str(p) for p in exported],
     }
     if standing is not None:
+        data.update(cluster_dict(standing.ctx.cluster))
         data["runners_up"] = [r.as_dict() for r in standing.runners_up()]
         data["losses"] = [loss.as_dict() for loss in standing.losses]
     return data
@@ -554,6 +570,7 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
             f"[yellow]the space is exhausted[/yellow]: all {len({r.plan.plan_id for r in outcome.results})} "
             f"plans of the space were evaluated, fewer than the budget of {request.trials}"
         )
+    print_assumptions(console, request.ctx.cluster)
     print_answer(console, standing, [m.value for m in request.allowed.methods], outcome.advice)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")

@@ -990,6 +990,28 @@ def _outcome(
     )
 
 
+def _host_ram_advice(request: SearchRequest) -> list[str]:
+    """Plans that fail only on the node's host memory (offload): the least host RAM that fits one."""
+    ctx = request.ctx
+    roomy = dataclasses.replace(ctx.cluster, host_memory_bytes=2**60)  # no host limit: GPU memory decides
+    try:
+        scored = screen(SearchSpace(dataclasses.replace(ctx, cluster=roomy), request.allowed))
+    except AutofitError:
+        return []
+    fitting = [r for _, r in scored if r.fits and r.memory is not None]
+    if not fitting:
+        return []
+    least = min(fitting, key=lambda r: (r.memory.host_bytes, -r.tokens_per_sec))
+    have = ctx.cluster.host_memory_bytes
+    if least.memory.host_bytes <= have:  # host memory is not what stops it
+        return []
+    need = -(-least.memory.host_bytes // 2**30)  # whole GiB, rounded up
+    return [
+        f"with ≥ {need} GiB of host RAM per node (--host-mem {need}GiB; the node has {have / 2**30:.0f} GiB, "
+        f"{ctx.cluster.host_memory_origin}) fits: {least.plan.summary()}"
+    ]
+
+
 def what_it_would_take(request: SearchRequest, closest: TrialResult | None) -> list[str]:
     """When nothing fits: the changes that would make a plan fit, each checked analytically."""
     from autofit.specs import GPUS, ClusterSpec, Workload
@@ -1011,6 +1033,7 @@ def what_it_would_take(request: SearchRequest, closest: TrialResult | None) -> l
             f"the closest plan ({closest.plan.summary()}) needs {need / 2**30:.1f} GiB per GPU; "
             f"{ctx.cluster.gpu.name} has {ctx.capacity_bytes / 2**30:.1f} GiB"
         )
+    out.extend(_host_ram_advice(request))
     if Method.QLORA not in request.allowed.methods:
         allowed = dataclasses.replace(request.allowed, methods=request.allowed.methods + (Method.QLORA,))
         r = fits_with(ctx, allowed)

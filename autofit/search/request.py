@@ -17,9 +17,32 @@ DEFAULT_GLOBAL_BATCH = 16
 DEFAULT_LORA_RANK = 16
 
 
-def build_cluster(gpus: str, nodes: int = 1, host_mem: str | int | None = None) -> ClusterSpec:
+def build_cluster(
+    gpus: str, nodes: int = 1, host_mem: str | int | None = None, inter_node_gbps: float | None = None
+) -> ClusterSpec:
+    """The cluster of ``--gpus``. Without ``--host-mem``, GPUs that are this machine's (a local CUDA
+    device that ``match_gpu`` names the requested GPU; or the CPU target) get this node's RAM;
+    others the assumed default of ``ClusterSpec``, which the answer prints."""
+    from autofit.specs.cluster import DEFAULT_INTER_NODE_GBPS, HostMemory
+
     host = parse_size(host_mem) if isinstance(host_mem, str) else int(host_mem or 0)
-    return parse_cluster(gpus, nodes=nodes, host_memory_bytes=host)
+    fabric = DEFAULT_INTER_NODE_GBPS if inter_node_gbps is None else float(inter_node_gbps)
+    cluster = parse_cluster(gpus, nodes=nodes, host_memory_bytes=host, inter_node_gbps=fabric)
+    if host == 0 and cluster.gpu.kind != "cpu" and _is_local_gpu(cluster.gpu.name):
+        import dataclasses
+
+        from autofit.specs.gpus import physical_memory_bytes
+
+        cluster = dataclasses.replace(
+            cluster, host_memory_bytes=physical_memory_bytes(), host_memory_origin=HostMemory.LOCAL
+        )
+    return cluster
+
+
+def _is_local_gpu(name: str) -> bool:
+    from autofit.evaluators.measured import local_gpus
+
+    return any(g is not None and g.name == name for g in local_gpus())
 
 
 def build_context(
@@ -28,6 +51,7 @@ def build_context(
     *,
     nodes: int = 1,
     host_mem: str | int | None = None,
+    inter_node_gbps: float | None = None,
     seq_len: int = 2048,
     global_batch: int | None = None,
     lengths_path: str | None = None,
@@ -41,7 +65,7 @@ def build_context(
     evaluator judges by and measured runs enforce.
     """
     spec = resolve_model(model)
-    cluster = build_cluster(gpus, nodes, host_mem)
+    cluster = build_cluster(gpus, nodes, host_mem, inter_node_gbps)
     if cpu_mem_budget is not None:
         cluster = with_cpu_budget(cluster, cpu_mem_budget)
     if global_batch is None:

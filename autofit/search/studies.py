@@ -27,6 +27,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "model": (str,),
     "gpus": (str,),
     "nodes": (int,),
+    "inter_node_gbps": (float, int),
     "host_mem": (str, int),
     "seq_len": (int,),
     "global_batch": (int,),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 from autofit.errors import SpecError
-from autofit.specs.gpus import GPUSpec, cpu_device, resolve_gpu
+from autofit.specs import custom_gpu
+from autofit.specs.gpus import GPUSpec, cpu_device, physical_memory_bytes, resolve_gpu
 from autofit.specs.units import GiB
 
 # Default inter-node fabric: a node's network bandwidth, all its NICs together, GB/s one
@@ -25,7 +27,19 @@ DEFAULT_INTER_NODE_GBPS = 25.0
 MAX_GPUS_PER_NODE = 72
 MAX_NODES = 65_536
 
-_CLUSTER_RE = re.compile(r"^\s*(?:(?P<count>[+-]?\d+)\s*[xX*]\s*)?(?P<gpu>[A-Za-z][\w\-. ]*?)\s*$")
+# COUNTxGPU: GPU is a catalog name, a memory (24GiB) or a YAML spec's path (custom_gpu).
+_CLUSTER_RE = re.compile(r"^\s*(?:(?P<count>[+-]?\d+)\s*[xX*]\s*)?(?P<gpu>\S.*?)\s*$")
+
+
+class HostMemory(str, Enum):
+    """Where a cluster's host memory figure comes from (printed with every answer where assumed)."""
+
+    GIVEN = "given"  # --host-mem, a study file, or a stored study
+    LOCAL = "local"  # this node's RAM: the target GPUs are this machine's (or the CPU target)
+    ASSUMED = "assumed"  # the default rule of ClusterSpec.__post_init__
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,7 @@ class ClusterSpec:
     nodes: int = 1
     host_memory_bytes: int = 0  # per node; 0 means the default below
     inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS  # the node's network, GB/s one way (above)
+    host_memory_origin: HostMemory | None = field(default=None, compare=False)  # None: given if set, else assumed
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -50,14 +65,34 @@ class ClusterSpec:
             raise SpecError(f"--nodes {self.nodes:,} is more than any cluster has; give at most {MAX_NODES:,}")
         if self.host_memory_bytes < 0:
             raise SpecError("--host-mem must be positive")
-        if self.host_memory_bytes == 0:
+        if not self.inter_node_gbps > 0:
+            raise SpecError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
+        origin = HostMemory(self.host_memory_origin) if self.host_memory_origin else None
+        if self.host_memory_bytes == 0 and self.gpu.kind == "cpu":  # the target is this machine
+            object.__setattr__(self, "host_memory_bytes", physical_memory_bytes())
+            origin = HostMemory.LOCAL
+        elif self.host_memory_bytes == 0:
             # Cloud GPU instances carry roughly twice their GPU memory as host RAM
             # (g5.12xlarge: 4xA10G 96 GiB / 192 GiB; p4d: 8xA100-40GB 320 GiB / 1152 GiB).
             object.__setattr__(self, "host_memory_bytes", max(32 * GiB, 2 * self.gpus_per_node * self.gpu.memory_bytes))
+            origin = HostMemory.ASSUMED
+        object.__setattr__(self, "host_memory_origin", origin or HostMemory.GIVEN)
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def assumptions(self) -> tuple[str, ...]:
+        """What this cluster's figures assume rather than know; every answer prints them."""
+        out = []
+        if self.host_memory_origin is HostMemory.ASSUMED:
+            out.append(
+                f"host memory per node assumed {self.host_memory_bytes / GiB:.0f} GiB (twice the node's GPU memory, "
+                "at least 32 GiB); set --host-mem to the node's RAM"
+            )
+        if self.gpu.assumption:
+            out.append(self.gpu.assumption)
+        return tuple(out)
 
     @property
     def label(self) -> str:
@@ -66,31 +101,41 @@ class ClusterSpec:
 
     def as_dict(self) -> dict:
         """What rebuilds this cluster (:meth:`from_dict`): catalog GPUs by name; the local CPU
-        target also by the memory budget of a rank (``--cpu-mem-budget``), which is the request's."""
+        target also by the memory budget of a rank (``--cpu-mem-budget``), which is the request's;
+        a custom GPU by all its figures (``gpu_spec``), since no catalog can rebuild it."""
         d = {
             "gpu": self.gpu.name,
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "host_memory_bytes": self.host_memory_bytes,
+            "host_memory_origin": str(self.host_memory_origin),
             "inter_node_gbps": self.inter_node_gbps,
         }
         if self.gpu.kind == "cpu":
             d["cpu_memory_bytes"] = self.gpu.memory_bytes
+        elif not self.gpu.is_catalog:
+            d["gpu_spec"] = self.gpu.as_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ClusterSpec:
         """The inverse of :meth:`as_dict`. A CPU target stored without its memory (by an older
-        autofit) gets this machine's RAM, as ``--gpus 1xcpu`` without ``--cpu-mem-budget`` does."""
-        gpu = resolve_gpu(d["gpu"])
+        autofit) gets this machine's RAM, as ``--gpus 1xcpu`` without ``--cpu-mem-budget`` does.
+        A stored host memory stays; stored without its origin (older autofit), it counts as given."""
+        if d.get("gpu_spec"):
+            gpu = GPUSpec.from_dict(d["gpu_spec"])
+        else:
+            gpu = resolve_gpu(d["gpu"])
         if gpu.kind == "cpu" and d.get("cpu_memory_bytes") is not None:
             gpu = cpu_device(int(d["cpu_memory_bytes"]))
+        origin = d.get("host_memory_origin")
         return cls(
             gpu=gpu,
             gpus_per_node=int(d.get("gpus_per_node", 1)),
             nodes=int(d.get("nodes", 1)),
             host_memory_bytes=int(d.get("host_memory_bytes") or 0),
             inter_node_gbps=float(d.get("inter_node_gbps", DEFAULT_INTER_NODE_GBPS)),
+            host_memory_origin=HostMemory(origin) if origin else None,
         )
 
 
@@ -102,14 +147,25 @@ def _is_gpu(name: str) -> bool:
     return True
 
 
+def parse_gpu(text: str) -> GPUSpec:
+    """One GPU of ``--gpus``: a catalog name, a memory (``24GiB``: custom_gpu.memory_only) or a
+    YAML spec's path (custom_gpu.load_gpu_spec)."""
+    if custom_gpu.is_spec_path(text):
+        return custom_gpu.load_gpu_spec(text)
+    if custom_gpu.is_size(text):  # no catalog name or alias is a size
+        return custom_gpu.memory_only(text)
+    return resolve_gpu(text)
+
+
 def parse_cluster(
     text: str,
     *,
     nodes: int = 1,
     host_memory_bytes: int = 0,
     inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS,
+    host_memory_origin: HostMemory | None = None,
 ) -> ClusterSpec:
-    """Parse ``2xA10``, ``A100-80GB``, ``8xH100``, ``1xrtx4090`` (GPUs per node)."""
+    """Parse ``2xA10``, ``A100-80GB``, ``8xH100``, ``1xrtx4090``, ``2x24GiB``, ``2xcard.yaml`` (GPUs per node)."""
     if not isinstance(text, str) or not text.strip():
         raise SpecError("--gpus is empty; write it as COUNTxGPU, e.g. 2xA10 (see `autofit gpus`)")
     m = _CLUSTER_RE.match(text)
@@ -120,7 +176,7 @@ def parse_cluster(
     if count < 1:
         raise SpecError(f"--gpus {text!r}: the GPU count must be at least 1")
     try:
-        gpu = resolve_gpu(m.group("gpu"))
+        gpu = parse_gpu(m.group("gpu"))
     except SpecError:
         tail = re.match(r"^(.+?)\s*[xX*]\s*\d+$", m.group("gpu"))
         if tail and _is_gpu(tail.group(1)):  # "2xA10x3": a known GPU followed by a second count
@@ -132,4 +188,5 @@ def parse_cluster(
         nodes=nodes,
         host_memory_bytes=host_memory_bytes,
         inter_node_gbps=inter_node_gbps,
+        host_memory_origin=host_memory_origin,
     )

@@ -289,6 +289,7 @@ def request_key(ctx: Target, *, evaluator: str, allowed: Mapping[str, Iterable[A
         workload["lengths"] = {"histogram": workload["lengths"]["histogram"]}
     cluster = ctx.cluster.as_dict()
     cpu_memory = cluster.pop("cpu_memory_bytes", None)  # keys stay what they were before clusters stored it
+    cluster.pop("host_memory_origin", None)  # where the host figure came from does not change the answer
     blob = {
         "model": ctx.model.fingerprint,
         "cluster": cluster,

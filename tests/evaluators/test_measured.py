@@ -60,7 +60,8 @@ LENGTHS = LengthDistribution(((24, 6), (128, 1)))
         ("NVIDIA GeForce RTX 4090", 24, "RTX4090"),
         ("NVIDIA RTX A6000", 48, "A6000"),
         ("NVIDIA H200", 140, "H200"),
-        ("NVIDIA B200", 180, None),
+        ("NVIDIA B200", 178, "B200"),
+        ("NVIDIA B300 SXM6 AC", 268, None),
     ],
 )
 def test_local_gpu_names_map_to_the_catalog(device, memory_gib, expected):

@@ -114,7 +114,9 @@ def test_the_command_line_still_overrides_an_out_of_range_file_value(tmp_path):
     from autofit.cli import cli
 
     p = tmp_path / "s.yaml"
-    p.write_text("model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n")
+    p.write_text(
+        "model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nbackend: analytic\ntrials: -3\nheadroom: 0.1\n"
+    )
     r = CliRunner().invoke(
         cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"), "--out", "", "--json"]
     )

@@ -182,3 +182,167 @@ def test_workload_round_trips(seq_len, global_batch, hist):
         seq_len=seq_len, global_batch=global_batch, lengths=LengthDistribution(hist, "lengths.json") if hist else None
     )
     assert Workload.from_dict(_through_json(w.as_dict())) == w
+
+
+# -- custom GPUs (issue 17): --gpus 2x24GiB, --gpus 2xcard.yaml -----------------------------------
+from autofit.specs.cluster import HostMemory  # noqa: E402
+from autofit.specs.gpus import GiB  # noqa: E402
+
+CARD = """\
+name: lab-card
+memory: 24GiB
+bf16_tflops: 165.2
+fp16_tflops: 165.2
+fp32_tflops: 82.6
+tf32_tflops: 82.6
+memory_bw_gbps: 1008
+compute_capability: "8.9"
+"""
+
+
+@pytest.mark.parametrize(
+    "text,count,mem,like",
+    [
+        ("2x24GiB", 2, 24 * GiB, "RTX3090Ti"),  # nearest memory: 24576 MiB (RTX 3090 and 3090 Ti; the faster)
+        ("80GB", 1, 80 * 10**9, "H100-80GB"),  # 74.5 GiB: nearest the H100's 79.6 GiB
+        ("1x24G", 1, 24 * 10**9, "A10"),  # 22.35 GiB: nearest the A10's 22.49 GiB
+        ("4 x 141 GiB", 4, 141 * GiB, "H200"),
+    ],
+)
+def test_memory_only_custom_gpu_states_its_assumed_rates(text, count, mem, like):
+    c = parse_cluster(text)
+    g = c.gpu
+    assert c.gpus_per_node == count and g.memory_bytes == mem and g.name.startswith("custom-")
+    ref = GPUS[like]
+    assert (g.bf16_tflops, g.memory_bw_gbps, g.compute_capability) == (
+        ref.bf16_tflops,
+        ref.memory_bw_gbps,
+        ref.compute_capability,
+    )
+    assert f"assumed to be the {like}'s" in g.assumption and g.assumption in c.assumptions()
+    assert not g.is_catalog
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("2x24MiB", "a GPU has between 1 GiB and 1 TiB"),
+        ("2x24TB", "a GPU has between 1 GiB and 1 TiB"),
+        ("2x24", "unknown GPU '24'.*memory such as 24GiB"),  # a size needs its unit
+        ("2x/nope/card.yaml", "GPU spec '/nope/card.yaml' not found"),
+    ],
+)
+def test_bad_custom_gpus(text, match):
+    with pytest.raises(SpecError, match=match):
+        parse_cluster(text)
+
+
+def test_yaml_gpu_spec(tmp_path):
+    f = tmp_path / "card.yaml"
+    f.write_text(CARD)
+    c = parse_cluster(f"2x{f}")
+    g = c.gpu
+    assert (g.name, g.memory_bytes, g.bf16_tflops, g.compute_capability) == ("lab-card", 24 * GiB, 165.2, (8, 9))
+    assert g.intra_node_link == "pcie4" and g.intra_node_gbps == 32 and g.host_link_gbps == 32  # the defaults
+    assert g.supports_bf16 and g.supports_flash2 and not g.assumption and c.label == "2xlab-card"
+    nv = tmp_path / "nv.yml"
+    nv.write_text(CARD + "intra_node_link: nvlink\nintra_node_gbps: 450\nhost_link_gbps: 64\n")
+    assert parse_cluster(f"8x{nv}").gpu.intra_node_gbps == 450
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s: s + "vram: 24GiB\n", r"unknown keys vram \(known: name, memory"),
+        (
+            lambda s: s.replace("memory_bw_gbps: 1008\n", "").replace("name: lab-card\n", ""),
+            "missing required keys name, memory_bw_gbps",
+        ),
+        (lambda s: s.replace("name: lab-card", "name: H100"), "name 'H100' is a catalog GPU"),
+        (lambda s: s.replace("memory: 24GiB", "memory: lots"), "memory 'lots': cannot read size"),
+        (lambda s: s.replace('"8.9"', "eight"), "compute_capability 'eight': write it as MAJOR.MINOR"),
+        (lambda s: s.replace("fp32_tflops: 82.6", "fp32_tflops: 0"), "fp32_tflops 0: must be a positive number"),
+        (lambda s: s + "intra_node_link: nvlink\n", "intra_node_gbps is required with intra_node_link nvlink"),
+        (lambda s: s + "intra_node_link: infiniband\n", "intra_node_link 'infiniband' is none of nvlink, pcie3"),
+        (lambda s: "- a list\n", "expected a mapping"),
+        (lambda s: "name: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_bad_yaml_gpu_specs_name_each_problem(tmp_path, edit, match):
+    f = tmp_path / "card.yaml"
+    f.write_text(edit(CARD))
+    with pytest.raises(SpecError, match=match) as err:
+        parse_cluster(f"1x{f}")
+    assert "\n" not in str(err.value)  # one line
+
+
+def test_every_problem_of_a_yaml_spec_in_one_error(tmp_path):
+    f = tmp_path / "card.yaml"
+    f.write_text("name: x\nmemory: 2MiB\nbf16_tflops: -1\nspeed: 3\n")
+    with pytest.raises(SpecError) as err:
+        parse_cluster(f"1x{f}")
+    msg = str(err.value)
+    for part in ("unknown keys speed", "missing required keys fp16_tflops", "memory '2MiB'", "bf16_tflops -1"):
+        assert part in msg
+
+
+def test_custom_gpus_round_trip_with_all_their_figures(tmp_path):
+    """A stored study reopens with the same GPU: a custom card's figures are stored, not its name."""
+    f = tmp_path / "card.yaml"
+    f.write_text(CARD)
+    for text in ("2x24GiB", f"2x{f}"):
+        c = parse_cluster(text, nodes=2, inter_node_gbps=50.0)
+        d = _through_json(c.as_dict())
+        assert d["gpu_spec"]["name"] == c.gpu.name
+        back = ClusterSpec.from_dict(d)
+        assert back == c and back.gpu == c.gpu and back.gpu.assumption == c.gpu.assumption
+    f.unlink()  # the file is gone: the stored study still opens
+    assert ClusterSpec.from_dict(d).gpu.name == "lab-card"
+
+
+# -- host memory: given, this node's, or assumed (and said so) -----------------------------------
+def test_host_memory_origin():
+    assumed = parse_cluster("2xA10")
+    assert assumed.host_memory_origin is HostMemory.ASSUMED
+    assert any("assumed 90 GiB" in a and "--host-mem" in a for a in assumed.assumptions())
+    given = parse_cluster("2xA10", host_memory_bytes=256 * GiB)
+    assert given.host_memory_origin is HostMemory.GIVEN and given.assumptions() == ()
+
+
+def test_the_cpu_target_has_this_nodes_ram_as_host_memory():
+    from autofit.specs.gpus import physical_memory_bytes
+
+    c = parse_cluster("1xcpu")
+    assert c.host_memory_bytes == physical_memory_bytes() and c.host_memory_origin is HostMemory.LOCAL
+    assert c.assumptions() == ()
+
+
+def test_a_local_gpu_gets_this_nodes_ram(monkeypatch):
+    """build_cluster: a local CUDA device matching the requested GPU means this node is the target."""
+    from autofit.evaluators import measured
+    from autofit.search.request import build_cluster
+    from autofit.specs.gpus import match_gpu, physical_memory_bytes
+
+    local = [match_gpu("NVIDIA L40S", 46068 * 2**20)] * 2
+    monkeypatch.setattr(measured, "local_gpus", lambda: local)
+    c = build_cluster("4xL40S")
+    assert c.host_memory_bytes == physical_memory_bytes() and c.host_memory_origin is HostMemory.LOCAL
+    remote = build_cluster("4xA10")
+    assert (
+        remote.host_memory_origin is HostMemory.ASSUMED and remote.host_memory_bytes == 2 * 4 * GPUS["A10"].memory_bytes
+    )
+    assert build_cluster("4xL40S", host_mem="64GiB").host_memory_bytes == 64 * GiB
+
+
+def test_stored_host_memory_stays_and_old_studies_count_it_as_given():
+    c = parse_cluster("2xA10")
+    d = _through_json(c.as_dict())
+    assert d["host_memory_origin"] == "assumed" and ClusterSpec.from_dict(d).host_memory_origin is HostMemory.ASSUMED
+    del d["host_memory_origin"]  # as an older autofit stored it
+    old = ClusterSpec.from_dict(d)
+    assert old.host_memory_bytes == c.host_memory_bytes and old.host_memory_origin is HostMemory.GIVEN
+
+
+def test_inter_node_bandwidth_must_be_positive():
+    with pytest.raises(SpecError, match="--inter-node-gbps must be positive"):
+        parse_cluster("8xH100", nodes=2, inter_node_gbps=0)
