@@ -8,7 +8,7 @@
 **Oracle.** Every plan of the request's space (``SearchSpace.enumerate_params()``) is
 evaluated; the optimum is the fastest plan whose ``TrialResult.fits``.
 
-* ``analytic`` oracle, all five requests (seq 2048, global batch 16, methods full/lora/qlora).
+* ``analytic`` oracle, all five requests (seq 2048, gpt2-xl 1024: its positions; global batch 16, methods full/lora/qlora).
   *Circular for autofit*: autofit's search scores the whole space with the same analytic
   evaluator before the study starts (``search.screen`` / ``search.candidates``) and enqueues
   the predicted best, so under this oracle it finds the optimum at its first trial by
@@ -25,7 +25,7 @@ evaluated; the optimum is the fastest plan whose ``TrialResult.fits``.
   batch 2* (micro-batch 1 or 2): 240 plans, 96 distinct traces, every technique of the space
   kept (methods, checkpointing, attention, sharding, offload, fused loss) — only the
   micro-batch axis is shorter. Results are cached per plan in
-  ``results/oracle/simulated-gpt2-xl-1xT4-seq2048-gb2.jsonl`` (one ``TrialResult.as_dict()``
+  ``results/oracle/simulated-gpt2-xl-1xT4-seq1024-gb2.jsonl`` (one ``TrialResult.as_dict()``
   per line, appended as each plan finishes, done plans skipped on restart). Here autofit's
   search runs with backend ``simulated`` whose evaluator is replaced by a lookup into that
   table (``search.get_evaluator`` patched), so its analytic screen and pruning are genuinely
@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -133,7 +134,7 @@ from autofit.specs import Target, Workload, parse_cluster, resolve_model
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ORACLE_DIR = RESULTS / "oracle"
-DATE = "2026-12-03"
+DATE = datetime.date.today().isoformat()
 BUDGETS = (5, 10, 20, 40)
 GOAL_FRACTION = 0.98
 GOAL_TRIALS = 10
@@ -174,9 +175,9 @@ REQUESTS = (
     Request("llama-3-8b", "1xA100-80GB"),
     Request("llama-3-70b", "8xH100"),
     Request("qwen2.5-7b", "1xRTX4090"),
-    Request("gpt2-xl", "1xT4"),
+    Request("gpt2-xl", "1xT4", seq_len=1024),  # GPT-2 has 1,024 learned positions: longer is refused
 )
-SIM_REQUEST = Request("gpt2-xl", "1xT4", global_batch=2)
+SIM_REQUEST = Request("gpt2-xl", "1xT4", seq_len=1024, global_batch=2)
 
 
 # -- results on disk ----------------------------------------------------------------------------
@@ -758,7 +759,7 @@ NOTES = """Notes on reading this:
 - The simulated oracle covers gpt2-xl on 1xT4 at global batch 2 (micro-batch 1 or 2), not 16:
   a fake-tensor trace takes 13-54 s on this shared 2-core VM and the global-batch-16 space has
   240 distinct traces (~2-3 h); global batch 2 keeps every technique axis and has 96 traces.
-  The table (`results/oracle/simulated-gpt2-xl-1xT4-seq2048-gb2.jsonl`) is replayed exactly;
+  The table (`results/oracle/simulated-gpt2-xl-1xT4-seq1024-gb2.jsonl`) is replayed exactly;
   `--rebuild-oracle` recomputes it.
 """
 

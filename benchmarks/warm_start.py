@@ -5,11 +5,11 @@
 
 For each request (the five of ``search_efficiency.py``, analytic backend; plus gpt2-xl on
 1xT4 at global batch 2 with its evaluator replaced by the stored simulated results when
-``results/oracle/simulated-gpt2-xl-1xT4-seq2048-gb2.jsonl`` is complete):
+``results/oracle/simulated-gpt2-xl-1xT4-seq1024-gb2.jsonl`` is complete):
 
-1. a *prior* study of the same model on the same GPUs, on a different workload (sequence
-   length 1024 instead of 2048, same global batch; or twice the global batch, same sequence
-   length — two variants), runs with ``search.run_search`` (analytic
+1. a *prior* study of the same model on the same GPUs, on a different workload (half the
+   sequence length: 1024 instead of 2048, 512 for gpt2-xl whose positions end at 1,024; same
+   global batch; or twice the global batch, same sequence length — two variants), runs with ``search.run_search`` (analytic
    backend, 10 trials, its own seed) in a temporary SQLite store;
 2. the *target* study (the request's own workload) then runs in that store twice, in two
    copies of it: with warm start (``run_search(..., warm=True)``, the default: past winners
@@ -42,12 +42,14 @@ import search_efficiency as se  # noqa: E402
 
 from autofit.search import loop as search  # noqa: E402
 
-PRIORS = ("seq 1024", "global batch x2")  # the prior study's workload, beside the target's (seq 2048)
+PRIORS = ("half the sequence", "global batch x2")  # the prior study's workload, beside the target's
 
 
 def prior_request(req: se.Request, prior: str) -> se.Request:
-    if prior == "seq 1024":
-        return se.Request(req.model, req.gpus, seq_len=1024, global_batch=req.global_batch, allowed=req.allowed)
+    if prior == "half the sequence":
+        return se.Request(
+            req.model, req.gpus, seq_len=req.seq_len // 2, global_batch=req.global_batch, allowed=req.allowed
+        )
     return se.Request(req.model, req.gpus, seq_len=req.seq_len, global_batch=2 * req.global_batch, allowed=req.allowed)
 
 
@@ -115,7 +117,7 @@ def render(doc: dict) -> str:
     lines = se.header(doc, "Warm start", "warm_start.py")
     lines += [
         f"{len(doc['seeds'])} seeds, budget {budget} trials per target study. Prior study: same model and GPUs "
-        f"on another workload — sequence length 1024 instead of 2048, or twice the global batch at the same "
+        f"on another workload — half the sequence length, or twice the global batch at the same "
         f"sequence length (analytic backend, {PRIOR_TRIALS} trials, its own seed), in the "
         "same temporary SQLite store as the target study. *warm*: `run_search(warm=True)` (the default); "
         "*cold*: `warm=False`; everything else equal (screen, sampler seed, budget). Trial numbers are 1-based; "
@@ -171,11 +173,11 @@ NOTES = """Notes on reading this:
   pick later (past winners run first). Any difference in the analytic rows is that.
 - The simulated-replay row (gpt2-xl, 1xT4, global batch 2; its evaluator replaced by the stored
   simulated results of `search_efficiency.py`'s oracle table) is the one where the screen and
-  the evaluator disagree; its prior study is analytic (at sequence length 1024), as a user's
+  the evaluator disagree; its prior study is analytic (at half the sequence length), as a user's
   quick earlier search would be.
 - The past winner is mapped into the new space by `search.warm_start`: same techniques, the
-  micro-batch whose tokens are nearest the old micro-batch's (from sequence length 1024 to 2048
-  the micro-batch halves where it can), and left out when the screen predicts it not to fit.
+  micro-batch whose tokens are nearest the old micro-batch's (from half the sequence length to
+  the whole the micro-batch halves where it can), and left out when the screen predicts it not to fit.
   Before autofit 4729c85/d8a4f42 it kept the old micro-batch: a seq-1024 winner at the memory
   edge did not fit at 2048 and cost one trial on every request (trials-to-best 2 warm vs 1
   cold under the analytic oracle, 6 vs 5 on the simulated row; run at autofit 664ea9d).
