@@ -147,6 +147,14 @@ class _Saves:
         self.saved[name + ".stats"] = 2 * in_bytes if self.cpu else 8
         return in_bytes
 
+    def head_rms(self, name: str, width: int, heads: int) -> None:
+        """Qwen3's RMSNorm of each head of a projection's output (``width`` = heads × head_dim,
+        in the compute dtype): as ``_rms``, with one rstd per head (``Qwen3RMSNorm.forward``)."""
+        self.saved[name + ".x32"] = 4 * width
+        self.saved[name + ".rstd"] = 4 * heads
+        if self.full:
+            self.saved[name + ".z"] = self.c * width
+
     def dropout_mask(self, name: str) -> None:
         if "residual" in self.drop:
             self.saved[name + ".mask"] = self.h * self.mask_bytes
@@ -172,6 +180,9 @@ def _rope_attention(s: _Saves, model: ModelSpec, masked: bool, kernel: str) -> i
     ln1 = s.norm("ln1", s.r)
     for n in f.attn_in:
         s.lin(n, "n1", ln1, h)
+    if f.qk_norm:
+        s.head_rms("q_norm", qd, a)
+        s.head_rms("k_norm", kd, model.num_kv_heads)
     if f.fused_qkv and gqa_repeat:  # repeated k and v are copies: the fused output is not kept
         saved["q_rot"], saved["k_rep"], saved["v_rep"] = qd * c, qd * c, qd * c
     elif f.fused_qkv:

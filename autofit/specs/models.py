@@ -103,6 +103,9 @@ class Family:
     # the model builds its 4D causal mask even for unpadded batches (falcon, ready to add
     # ALiBi to it): sdpa gets a mask, saves it, and repeats grouped KV heads
     mask_always: bool = False
+    # an RMSNorm over each head of q and of k before RoPE, one weight of head_dim each (Qwen3:
+    # ``Qwen3Attention.forward`` in transformers' modeling_qwen3.py)
+    qk_norm: bool = False
 
     def config_key(self, name: str) -> str:
         """The config field under its llama ``name``, as this family's config names it ("": none)."""
@@ -142,6 +145,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen2", "Qwen2Config", "Qwen2DecoderLayer", **{**_LLAMA_LIKE, "qkv_bias": True}, has_head_dim_key=False
         ),
+        # Qwen3 (dense; modeling_qwen3.py): llama's block without biases, with per-head q/k RMSNorm
+        Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", **_LLAMA_LIKE, qk_norm=True),
         Family(
             "gemma2",
             "Gemma2Config",
@@ -548,6 +553,8 @@ class ModelSpec:
         if f.mlp_bias:
             n += (2 * i + h) if f.gated_mlp else (i + h)
         n += f.norms_per_layer * (h if f.norm == "rmsnorm" else 2 * h)
+        if f.qk_norm:
+            n += 2 * self.head_dim
         return n
 
     def head_params(self) -> int:
@@ -1033,6 +1040,96 @@ _REGISTRY: list[dict[str, Any]] = [
         max_position_embeddings=131072,
         tie_word_embeddings=False,
         n_params=72_706_203_648,
+    ),
+    dict(
+        name="qwen3-0.6b",
+        source="Qwen/Qwen3-0.6B",
+        model_type="qwen3",
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        n_params=596_049_920,
+    ),
+    dict(
+        name="qwen3-1.7b",
+        source="Qwen/Qwen3-1.7B",
+        model_type="qwen3",
+        hidden_size=2048,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        n_params=1_720_574_976,
+    ),
+    dict(
+        name="qwen3-4b",
+        source="Qwen/Qwen3-4B",
+        model_type="qwen3",
+        hidden_size=2560,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        n_params=4_022_468_096,
+    ),
+    dict(
+        name="qwen3-8b",
+        source="Qwen/Qwen3-8B",
+        model_type="qwen3",
+        hidden_size=4096,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        n_params=8_190_735_360,
+    ),
+    dict(
+        name="qwen3-14b",
+        source="Qwen/Qwen3-14B",
+        model_type="qwen3",
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=17408,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        n_params=14_768_307_200,
+    ),
+    dict(
+        name="qwen3-32b",
+        source="Qwen/Qwen3-32B",
+        model_type="qwen3",
+        hidden_size=5120,
+        num_layers=64,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=25600,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        n_params=32_762_123_264,
     ),
     dict(
         name="gemma-2-9b",

@@ -135,8 +135,18 @@ def measure(spec, plan, workload):
 # and fp32 (1 + w) norms), and the parallel blocks: phi (one LayerNorm for attention and
 # MLP, partial rotary, biases, gelu_new; phi-2 with its residual dropout), gpt_neox
 # (StableLM-alpha: a LayerNorm each, fused query_key_value, rotary on a quarter of head_dim)
-# and falcon (two LayerNorms, fused grouped query_key_value, a causal mask always built)
-FAMILIES = ["mistral-7b", "qwen2.5-7b", "phi-3-mini", "gemma-2b", "phi-2", "stablelm-base-alpha-3b", "falcon-40b"]
+# and falcon (two LayerNorms, fused grouped query_key_value, a causal mask always built);
+# qwen3 (per-head q/k RMSNorm)
+FAMILIES = [
+    "mistral-7b",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "phi-3-mini",
+    "gemma-2b",
+    "phi-2",
+    "stablelm-base-alpha-3b",
+    "falcon-40b",
+]
 
 
 @pytest.mark.parametrize("family", ["mistral-7b", "phi-2"])

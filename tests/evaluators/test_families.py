@@ -1,4 +1,4 @@
-"""The families added for published fine-tuning runs (phi, gpt_neox, gemma, falcon, bloom), block by block.
+"""The families added for published fine-tuning runs (phi, gpt_neox, gemma, falcon, bloom) and Qwen3, block by block.
 
 ``test_analytic.py`` compares the analytic peak with real CPU steps for them; here the
 analytic itemization of one block is compared with what autograd really saves (a
@@ -76,6 +76,8 @@ def itemized_first_block(spec, plan) -> float:
         ("falcon-40b", "sdpa"),
         ("falcon-40b", "eager"),
         ("bloom-7b1", "eager"),
+        ("qwen3-8b", "sdpa"),
+        ("qwen3-8b", "eager"),
     ],
 )
 def test_one_block_itemized_as_autograd_saves_it(family, attention, precision):
@@ -100,6 +102,8 @@ def test_one_block_itemized_as_autograd_saves_it(family, attention, precision):
         ("gemma-2b", Plan(precision="bf16-true", micro_batch=2, checkpointing="full")),
         ("falcon-40b", Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2)),
         ("bloom-7b1", Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, attention="eager")),
+        ("qwen3-8b", Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2)),
+        ("qwen3-8b", Plan(precision="bf16-true", micro_batch=2)),
     ],
     ids=lambda x: x if isinstance(x, str) else x.summary(),
 )

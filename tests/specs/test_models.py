@@ -37,6 +37,13 @@ REQUIRED = [
     "llama-3.1-405b",
     "yi-6b",
     "yi-34b",
+    # Qwen3 (dense): per-head q/k RMSNorm
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen3-14b",
+    "qwen3-32b",
 ]
 
 
