@@ -468,29 +468,7 @@ def test_bad_input(files, name, args, fragment):
 
 def test_unknown_trial_in_export(tmp_path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    r = CliRunner().invoke(
-        cli,
-        [
-            "search",
-            "-m",
-            "gpt2",
-            "--seq-len",
-            "1024",
-            "-g",
-            "1xA10",
-            "--global-batch",
-            "8",
-            "--evaluator",
-            "analytic",
-            "--trials",
-            "3",
-            "--db",
-            db,
-            "--out",
-            "",
-            "--json",
-        ],
-    )
+    r = CliRunner().invoke(cli, [*SEARCH, "--trials", "3", "--db", db, "--json"])
     study = json.loads(r.stdout)["study"]
     r = CliRunner().invoke(cli, ["export", study, "--trial", "99", "--out", str(tmp_path / "o"), "--db", db])
     assert r.exit_code != 0 and "has no trial 99" in r.output and "Traceback" not in r.output
