@@ -1,7 +1,7 @@
 """A GPU that is not in the catalog: ``--gpus 2x24GiB`` (memory only) or ``--gpus 2xcard.yaml``.
 
 A memory-only card borrows every other figure from the catalog's CUDA card of the nearest
-memory (the same memory class: 24 GiB takes an RTX 3090's rates, 80 GB an H100's), and says
+memory (the same memory class: 24 GiB takes an RTX 3090 Ti's rates, 80 GB an H100's), and says
 so in :attr:`GPUSpec.assumption`, which every answer prints. A YAML spec gives its own figures::
 
     name: my-card            # required; not a catalog name
