@@ -7,18 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from autofit.cli import cli
+from tests.specs.test_cluster_workload import CARD  # one YAML card for both suites
 
 GiB = 2**30
 ANALYTIC = ("--evaluator", "analytic", "--no-calibration")
-CARD = """\
-name: lab-card
-memory: 24GiB
-bf16_tflops: 165.2
-fp16_tflops: 165.2
-fp32_tflops: 82.6
-memory_bw_gbps: 1008
-compute_capability: "8.9"
-"""
 
 
 def run(*args):

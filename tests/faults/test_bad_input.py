@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from autofit.cli import cli
 
 EST = ["estimate", "--global-batch", "8"]
+GPT2 = ["-m", "gpt2", "--seq-len", "1024"]  # GPT-2 has 1,024 learned positions: the default 2048 is refused
 
 
 @pytest.fixture
@@ -112,29 +113,26 @@ CASES = [
     ("hub id offline", EST + ["-m", "nobody/no-such-model", "-g", "1xA10"], "cannot fetch the config of hub id"),
     ("config without fields", EST + ["-m", "{d}/nofields", "-g", "1xA10"], "lacks the fields"),
     ("unsupported model type", EST + ["-m", "{d}/mamba.json", "-g", "1xA10"], "not supported"),
-    ("unknown GPU", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xB300"], "unknown GPU"),
-    ("zero GPUs", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "0xA10"], "at least 1"),
-    ("negative GPUs", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "-1xA10"], "at least 1"),
-    ("two counts", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "2xA10x3"], "malformed"),
-    ("seq len 0", EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
+    ("unknown GPU", EST + [*GPT2, "-g", "1xB300"], "unknown GPU"),
+    ("zero GPUs", EST + [*GPT2, "-g", "0xA10"], "at least 1"),
+    ("negative GPUs", EST + [*GPT2, "-g", "-1xA10"], "at least 1"),
+    ("two counts", EST + [*GPT2, "-g", "2xA10x3"], "malformed"),
+    ("seq len 0", EST + [*GPT2, "-g", "1xA10", "--seq-len", "0"], "--seq-len"),
     (
         "batch not divisible",
-        ["estimate", "-m", "gpt2", "--seq-len", "1024", "-g", "3xA10", "--global-batch", "8"],
+        ["estimate", *GPT2, "-g", "3xA10", "--global-batch", "8"],
         "not divisible",
     ),
     (
         "search batch not divisible",
-        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "3xA10", "--global-batch", "8", "--evaluator", "analytic"],
+        ["search", *GPT2, "-g", "3xA10", "--global-batch", "8", "--evaluator", "analytic"],
         "multiple of the 3 GPUs",
     ),
     (
         "contradictory choices",
         [
             "search",
-            "-m",
-            "gpt2",
-            "--seq-len",
-            "1024",
+            *GPT2,
             "-g",
             "1xA10",
             "--methods",
@@ -148,7 +146,7 @@ CASES = [
     ),
     (
         "unknown method",
-        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--methods", "full,dora"],
+        ["search", *GPT2, "-g", "1xA10", "--methods", "full,dora"],
         "--methods",
     ),
     ("study file unknown key", ["search", "--config", "{d}/unknown.yaml"], "unknown key 'colour'"),
@@ -161,22 +159,19 @@ CASES = [
     ("unknown study in export", ["export", "nope", "--out", "{d}/o", "--db", "{d}/ok.db"], "no study named 'nope'"),
     (
         "bad duration",
-        ["search", "-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
+        ["search", *GPT2, "-g", "1xA10", "--timeout", "soon", "--evaluator", "analytic"],
         "cannot read duration",
     ),
     (
         "bad host memory",
-        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xA10", "--host-mem", "lots"],
+        EST + [*GPT2, "-g", "1xA10", "--host-mem", "lots"],
         "cannot read size",
     ),
     (
         "fresh and resume",
         [
             "search",
-            "-m",
-            "gpt2",
-            "--seq-len",
-            "1024",
+            *GPT2,
             "-g",
             "1xA10",
             "--evaluator",
@@ -319,12 +314,12 @@ SPEC_CASES = [
     ),
     (
         "negative seed",
-        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seed", "-1"],
+        SPEC_SEARCH + [*GPT2, "-g", "1xT4", "--seed", "-1"],
         "'--seed': -1 is not in the range 0<=x<=4294967295",
     ),
     (
         "seed past numpy's range",
-        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seed", "99999999999"],
+        SPEC_SEARCH + [*GPT2, "-g", "1xT4", "--seed", "99999999999"],
         "'--seed': 99999999999 is not in",
     ),
     (
@@ -334,32 +329,32 @@ SPEC_CASES = [
     ),
     (
         "cpu budget beyond the machine",
-        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
+        EST + [*GPT2, "-g", "1xcpu", "--cpu-mem-budget", "1000TiB"],
         "exceeds this machine's",
     ),
     (
         "absurd GPU count",
-        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "99999999999999999999xT4"],
+        EST + [*GPT2, "-g", "99999999999999999999xT4"],
         "more than any node holds (at most 72",
     ),
     (
         "73 GPUs per node",
-        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "73xT4"],
+        SPEC_SEARCH + [*GPT2, "-g", "73xT4"],
         "more than any node holds (at most 72",
     ),
     (
         "absurd node count",
-        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--nodes", "99999999999999999999"],
+        EST + [*GPT2, "-g", "1xT4", "--nodes", "99999999999999999999"],
         "--nodes 99,999,999,999,999,999,999",
     ),
     (
         "absurd seq len",
-        EST + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seq-len", "99999999999"],
+        EST + [*GPT2, "-g", "1xT4", "--seq-len", "99999999999"],
         "--seq-len 99,999,999,999 is beyond",
     ),
     (
         "absurd seq len in search",
-        SPEC_SEARCH + ["-m", "gpt2", "--seq-len", "1024", "-g", "1xT4", "--seq-len", "99999999999"],
+        SPEC_SEARCH + [*GPT2, "-g", "1xT4", "--seq-len", "99999999999"],
         "is beyond the 1,048,576",
     ),
 ]
@@ -367,10 +362,7 @@ SPEC_CASES = [
 # databases, study names, work dirs (store/, cli/)
 SEARCH = [
     "search",
-    "-m",
-    "gpt2",
-    "--seq-len",
-    "1024",
+    *GPT2,
     "-g",
     "1xA10",
     "--global-batch",
