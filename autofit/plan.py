@@ -127,6 +127,9 @@ class Plan:
     offload_device: OffloadDevice = OffloadDevice.CPU
     packing: bool = False
     fused_loss: bool = False
+    # saved activations to host memory in forward, back in backward (torchtune's
+    # OffloadActivations rules; autofit.evaluators.offload)
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -151,7 +154,7 @@ class Plan:
             object.__setattr__(self, "lora_dropout", float(d))
         else:
             problems.append(f"lora_dropout must be a number in [0, 1), got {d!r}")
-        for name in ("packing", "fused_loss"):
+        for name in ("packing", "fused_loss", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if problems:
@@ -218,12 +221,14 @@ class Plan:
             parts.append("packed")
         if self.fused_loss:
             parts.append("fused-loss")
+        if self.offload_activations:
+            parts.append("act-offload")
         return " · ".join(parts)
 
 
 # fields added after plans were first stored: left out of the canonical form (and so of
 # ``plan_id``) while they hold their default
-_LATER_FIELDS = {"lora_dropout": 0.0}
+_LATER_FIELDS = {"lora_dropout": 0.0, "offload_activations": False}
 
 
 def _plain(value: Any) -> Any:
@@ -341,7 +346,7 @@ _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.OPTIMIZER_PARAMS
 def moving_parts(plan: Plan) -> tuple[str, ...]:
     """The techniques a plan adds to plain training besides sharding and offload, each one
     more thing to install, configure or debug: LoRA (QLoRA counts twice: 4-bit weights too),
-    gradient checkpointing, flash2 attention, a fused loss, packing, an 8-bit optimizer
+    gradient checkpointing, flash2 attention, a fused loss, packing, activation offload, an 8-bit optimizer
     (paged counts twice). Precision and the attention kernels torch ships are not parts."""
     parts: list[str] = []
     if plan.is_peft:
@@ -356,6 +361,8 @@ def moving_parts(plan: Plan) -> tuple[str, ...]:
         parts.append("fused loss")
     if plan.packing:
         parts.append("packing")
+    if plan.offload_activations:
+        parts.append("activation offload")
     if plan.optimizer in _EIGHT_BIT:
         parts.append("8-bit optimizer")
     if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
@@ -395,10 +402,11 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
             out.append(f"{name.replace('_', ' ')} {_plain(a)} → {_plain(b)}")
     if (base.offload, base.offload_device) != (other.offload, other.offload_device):
         out.append(f"offload {_offload_label(base)} → {_offload_label(other)}")
-    for name in ("fused_loss", "packing"):
+    toggles = (("fused_loss", "fused loss"), ("packing", "packing"), ("offload_activations", "activation offload"))
+    for name, label in toggles:
         a, b = getattr(base, name), getattr(other, name)
         if a != b:
-            out.append(f"{name.replace('_', ' ')} {'on' if a else 'off'} → {'on' if b else 'off'}")
+            out.append(f"{label} {'on' if a else 'off'} → {'on' if b else 'off'}")
     if (base.micro_batch, base.grad_accum) != (other.micro_batch, other.grad_accum):
         out.append(f"mb{base.micro_batch}×ga{base.grad_accum} → mb{other.micro_batch}×ga{other.grad_accum}")
     return tuple(out)

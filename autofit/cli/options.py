@@ -169,6 +169,12 @@ def plan_options(fn: Callable) -> Callable:
         click.option("--offload-device", type=_choice(OffloadDevice), default="cpu", show_default=True),
         click.option("--packing/--no-packing", default=False, show_default=True),
         click.option("--fused-loss/--no-fused-loss", default=False, show_default=True),
+        click.option(
+            "--offload-activations/--no-offload-activations",
+            default=False,
+            show_default=True,
+            help="Saved activations to host memory in forward, back in backward (torchtune's activation offloading).",
+        ),
     ]
     for d in reversed(decorators):
         fn = d(fn)

@@ -557,6 +557,7 @@ class _Activations:
     head: float  # saved outside the blocks
     rope: float  # RoPE's cos and sin
     recompute: float  # one block's activations while checkpointing recomputes it
+    offloaded: float  # what an activation offload keeps in host memory (plan.offload_activations)
     logits_fwd: float
     logits_bwd: float
     mask: float  # the attention mask
@@ -582,6 +583,11 @@ def _activations(
         if plan.is_peft:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
             saved_blocks -= t_mem * blk.first_norm
         recompute = 0.0
+    offloaded = 0.0
+    if plan.offload_activations:
+        # every block's saves go to the host (evaluators.offload); the device keeps the one
+        # block whose tensors are being saved or brought back (the head's stay: not offloaded)
+        offloaded, saved_blocks = saved_blocks, 0.0
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
     bwd_temp = t_mem * blk.bwd_tok
@@ -604,6 +610,7 @@ def _activations(
         head=head,
         rope=rope,
         recompute=recompute,
+        offloaded=offloaded,
         logits_fwd=logits_fwd,
         logits_bwd=logits_bwd,
         mask=mask,
@@ -690,9 +697,12 @@ def _moments(
     states = {"weights": st.weights + ms.autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + act.mask
     in_blocks = act.saved - act.head + act.recompute  # the head's saves are freed by then
+    bwd_states = states
+    if plan.offload_activations:  # autocast's copies leave with its cache; those saved are offloaded
+        bwd_states = {**states, "weights": st.weights + ms.first_block_copies}
     moments = {
         **_forward_moments(act, ms, blk, t_mem, states, persistent_tmp),
-        **_backward_moments(model, plan, act, ms, blk, t_mem, s, states, persistent_tmp, in_blocks),
+        **_backward_moments(model, plan, act, ms, blk, t_mem, s, bwd_states, persistent_tmp, in_blocks),
         **_step_end_moments(ms, persistent_tmp),
     }
     if plan.checkpointing is Checkpointing.FULL:
@@ -736,6 +746,9 @@ def _backward_moments(
     freed = t_mem * (blk.mlp_tok + blk.attn_freed) + t_mem * s * blk.probs_quad
     first_grads = st.gradients - ms.layer_trainable * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
     first = (t_mem * dtype_layout(plan).base_bytes * model.hidden_size if ckpt else 0) + act.block + act.rope
+    if plan.offload_activations and not ckpt:
+        # an offloaded block's saves come back node by node and leave with it (evaluators.offload)
+        freed, first = 0.0, act.rope
     return {
         "loss-backward": {
             **states,
@@ -825,14 +838,16 @@ def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_bloc
     }
 
 
-def _anatomy(moments: dict[str, dict[str, float]], ctx: Target, st: costs.ShardedStates) -> tuple[MemoryAnatomy, str]:
+def _anatomy(
+    moments: dict[str, dict[str, float]], ctx: Target, st: costs.ShardedStates, offloaded: float = 0.0
+) -> tuple[MemoryAnatomy, str]:
     """The anatomy at the peak moment (the first of equals), with the allocator and device on top."""
     cluster = ctx.cluster
     phase = max(moments, key=lambda k: sum(moments[k].values()))
     comp = {k: int(v) for k, v in moments[phase].items()}
     if cluster.gpu.kind == "cuda":  # allocated for the process's life (costs.cublas_workspace_bytes)
         comp["temporary"] += sum(costs.cublas_workspaces(cluster.gpu.compute_capability))
-    return costs.on_device(comp, cluster, st.host, cluster.gpu.kind), phase
+    return costs.on_device(comp, cluster, st.host + offloaded, cluster.gpu.kind), phase
 
 
 def estimate(plan: Plan, ctx: Target) -> Estimate:
@@ -840,17 +855,29 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
     blk, act, t_mem, s, t_time, keys = _micro_batch(plan, ctx)
     ms = _model_states(model, plan, ctx)
-    memory, phase = _anatomy(_moments(model, plan, act, ms, blk, t_mem, s), ctx, ms.st)
+    offloaded = _offloaded(plan, act, ms)
+    memory, phase = _anatomy(_moments(model, plan, act, ms, blk, t_mem, s), ctx, ms.st, offloaded)
     throughput = timing.throughput(
-        step_work(plan, ctx, ms.sb, t_time, keys, act.block), cluster, workload.tokens_per_step()
+        step_work(plan, ctx, ms.sb, t_time, keys, act.block, offloaded * t_time / t_mem),
+        cluster,
+        workload.tokens_per_step(),
     )
     return Estimate(memory, throughput, phase)
 
 
+def _offloaded(plan: Plan, act: _Activations, ms: _States) -> float:
+    """Bytes an activation offload copies to the host per micro-batch: the blocks' saves and
+    the autocast copies of the weights their matmuls saved (not the recomputed block's)."""
+    if not plan.offload_activations:
+        return 0.0
+    return act.offloaded + ms.autocast_copies - ms.first_block_copies
+
+
 def work(plan: Plan, ctx: Target) -> timing.StepWork:
     """The step's work alone (what ``benchmarks/published_runs.py`` prices under other rates)."""
-    _, act, _, _, t_time, keys = _micro_batch(plan, ctx)
-    return step_work(plan, ctx, costs.state_bytes(ctx.model, plan), t_time, keys, act.block)
+    _, act, t_mem, _, t_time, keys = _micro_batch(plan, ctx)
+    offloaded = _offloaded(plan, act, _model_states(ctx.model, plan, ctx)) * t_time / t_mem
+    return step_work(plan, ctx, costs.state_bytes(ctx.model, plan), t_time, keys, act.block, offloaded)
 
 
 def _masked(model: ModelSpec, plan: Plan, workload: Workload) -> bool:
@@ -879,11 +906,19 @@ KERNELS_PER_ADAPTER = 4
 KERNELS_HEAD = 10  # head, loss and its backward, each way
 
 
-def step_work(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys: float, block_bytes: float):
+def step_work(
+    plan: Plan,
+    ctx: Target,
+    sb: costs.StateBytes,
+    tokens: float,
+    keys: float,
+    block_bytes: float,
+    offloaded: float = 0.0,
+):
     """One rank's step as ``timing.StepWork``: every GEMM of the blocks, the head and the
     adapters with its shape; attention FLOPs by kernel; the elementwise, logits,
     dequantization and autocast-cast traffic; the kernels issued; the engine's collectives
-    and host traffic."""
+    and host traffic (``offloaded``: activation bytes a micro-batch moves to the host)."""
     model, cluster, workload = ctx.model, ctx.cluster, ctx.workload
     lay = dtype_layout(plan)
     L = model.num_layers
@@ -943,7 +978,7 @@ def step_work(plan: Plan, ctx: Target, sb: costs.StateBytes, tokens: float, keys
         backward=backward,
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        transfers=costs.transfer_work(plan, model, cluster, sb),
+        transfers=costs.transfer_work(plan, model, cluster, sb, offloaded),
         model_flops=plan.grad_accum * model_flops,
     )
 

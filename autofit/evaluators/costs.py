@@ -357,7 +357,9 @@ def shard_states(
 
 
 # -- time --------------------------------------------------------------------------------
-def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes) -> Transfers:
+def transfer_work(
+    plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateBytes, offloaded: float = 0.0
+) -> Transfers:
     """The collectives and host traffic of one rank's step, as each engine issues them.
 
     DDP all-reduces gradient buckets during backward (torch/csrc/distributed/c10d/reducer.cpp,
@@ -367,7 +369,9 @@ def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateB
     ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3 and FSDP gather each
     block's parameters for forward and again for backward, prefetching the next block
     (FSDP2 ``reshard_after_forward``), and FSDP reduce-scatters each block's gradients in
-    fp32 (FSDP2's default reduce dtype for fp32 parameters).
+    fp32 (FSDP2's default reduce dtype for fp32 parameters). An activation offload moves
+    ``offloaded`` bytes to the host in each micro-batch's forward and back in its backward,
+    on the compute stream (``evaluators.offload``): exposed, not overlapped.
     """
     n_train = sb.trainable_weights / sb.param_elem_bytes
     grad_payload = n_train * sb.grad_elem_bytes
@@ -392,7 +396,8 @@ def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateB
     elif plan.engine == "fsdp":
         out.append(Collective("reduce-scatter", n_train * 4 / L, L, "micro", bwd))
         out.append(Collective("all-gather", sb.weights / L, 2 * L, "micro", ("forward", "backward")))
-    host_step = host_micro = cpu = nvme = 0.0
+    host_step = cpu = nvme = 0.0
+    host_micro = 2 * offloaded
     if plan.offload is not Offload.NONE:
         shard = n_train / cluster.world_size
         # gradients down, updated 16-bit parameters up, once per step; the node's CPU steps
@@ -403,7 +408,7 @@ def transfer_work(plan: Plan, model: ModelSpec, cluster: ClusterSpec, sb: StateB
             nvme = cluster.gpus_per_node * shard * 12 * 2  # read and write the fp32 states
         if plan.offload is Offload.OPTIMIZER_PARAMS:
             # parameters stream from the host for forward and backward of every micro-batch
-            host_micro = 2 * sb.weights / cluster.world_size
+            host_micro += 2 * sb.weights / cluster.world_size
     return Transfers(tuple(out), host_step, host_micro, cpu, nvme)
 
 

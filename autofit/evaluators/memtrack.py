@@ -17,7 +17,8 @@ component by the phase and region it was created in:
 - ``logits``: anything created inside the ``logits`` region (lm_head + loss, forward or
   backward)
 - ``activations``: created in the forward phase, or recomputed by activation
-  checkpointing in backward, and alive at the peak
+  checkpointing in backward, or brought back by activation offloading (the
+  ``activations`` region), and alive at the peak
 - ``temporary``: everything else (backward intermediates, buckets, optimizer temporaries)
 
 torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` gives a similar
@@ -133,6 +134,12 @@ class StorageTracker(TorchDispatchMode):
         self.weight_keys: set[int] = set()
         self.grad_keys: set[int] = set()
         self.optimizer_keys: set[int] = set()
+        # host memory (offloaded activations, ``on_host``): outside the log and the peak
+        self.host = False
+        self.host_live = 0
+        self.host_peak = 0
+        self.host_allocs: list[tuple[int, int, object]] = []  # (step, bytes, here())
+        self._host_cdata: set[int] = set()
 
     # -- context -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -155,9 +162,40 @@ class StorageTracker(TorchDispatchMode):
         finally:
             self.region = prev
 
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Storages created inside are host memory (an activation offload's copies): counted in
+        ``host_live``/``host_peak`` and ``host_allocs``, not in the device's log."""
+        prev = self.host
+        self.host = True
+        try:
+            yield
+        finally:
+            self.host = prev
+
+    def here(self) -> object:
+        """What :attr:`host_allocs` records beside each allocation (the simulator's layer tag)."""
+        return None
+
+    def _host_storage(self, st) -> None:
+        nbytes = st.nbytes()
+        self._host_cdata.add(st._cdata)
+        self.host_live += nbytes
+        self.host_peak = max(self.host_peak, self.host_live)
+        self.host_allocs.append((self.step, nbytes, self.here()))
+        weakref.finalize(st, self._host_free, st._cdata, nbytes)
+
+    def _host_free(self, cdata: int, nbytes: int) -> None:
+        self._host_cdata.discard(cdata)
+        self.host_live -= nbytes
+
     # -- registration ------------------------------------------------------------------
     def _key_of(self, t: torch.Tensor, create: bool) -> int | None:
         st = t.untyped_storage()
+        if self.host:
+            if create and st._cdata not in self._host_cdata:
+                self._host_storage(st)
+            return None
         if self.skip_meta and st.device.type == "meta":
             return None
         cdata = st._cdata
@@ -298,7 +336,7 @@ class StorageTracker(TorchDispatchMode):
         if key in self.optimizer_keys:
             return "optimizer"
         rec = self.recs[key]
-        if rec.region in ("logits", "weights"):
+        if rec.region in ("logits", "weights", "activations"):
             return rec.region
         if rec.phase in ("forward", "recompute"):
             return "activations"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from autofit.evaluators import offload
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Checkpointing, Method, Optimizer, Plan
@@ -538,6 +539,10 @@ class StepRunner:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward
             enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
+        self._offload = None
+        if plan.offload_activations:
+            self._offload = offload.ActivationOffload(inner, self.device.type, tracker)
+            self._hooks.append(self._offload.stop_at(self.head))
 
     # regions: the head and the loss are "logits" until the gradient reaches the head's input
     def _enter_logits(self, module, args):
@@ -564,6 +569,9 @@ class StepRunner:
     def _kernels(self):
         return self.kernels() if self.kernels is not None else contextlib.nullcontext()
 
+    def _offloading(self):
+        return self._offload if self._offload is not None else contextlib.nullcontext()
+
     def _autocast(self):
         if self.lay.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -586,6 +594,8 @@ class StepRunner:
             labels = _shift(labels)
         if self.tracker is not None:
             self._enter_logits(self.head, (hidden,))
+        if self._offload is not None:  # the loss reads the head's weight itself
+            self._offload.stop()
         return chunked_cross_entropy(hidden, self.head, labels, self.softcap)
 
     def step(self, batches: list[dict[str, torch.Tensor]], step: int = 0) -> float:
@@ -594,7 +604,7 @@ class StepRunner:
         for i, batch in enumerate(batches):
             micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
             with micro:
-                with self._phase("forward", step), self._autocast(), self._kernels():
+                with self._phase("forward", step), self._autocast(), self._kernels(), self._offloading():
                     loss = self.loss(batch) / len(batches)
                 if self.tracker is not None:
                     self.tracker.region = ""

@@ -68,6 +68,7 @@ class TraceKey:
     attention: str
     packing: bool
     fused_loss: bool
+    offload_activations: bool
     sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
     target: TraceDevice
 
@@ -89,6 +90,7 @@ class TraceKey:
             attention=plan.attention.value,
             packing=plan.packing,
             fused_loss=plan.fused_loss,
+            offload_activations=plan.offload_activations,
             sharded_layout=plan.engine != "torch",
             target=target,
         )
@@ -402,6 +404,7 @@ class Trace:
     seconds: float  # wall time of the trace
     timings: dict[str, Any] = field(default_factory=dict)
     tags: list[int | None] = field(default_factory=list)  # each event's decoder layer (unroll)
+    offloaded: float = 0.0  # activation bytes one micro-batch copies to the host (offload_activations)
     replays: dict[tuple, Replay] = field(default_factory=dict)  # allocator replays (simulated.reserved)
 
 
@@ -561,7 +564,8 @@ def _make_tracer():
                 return True if args[0].dtype is torch.bool else (1.0 if args[0].is_floating_point() else 1)
             with self.op_context(args):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
-                if self.step == self.last_step and self.phase != "setup" and counter.counted(func):
+                # an offload's copy to the host is host-link traffic (costs.transfer_work), not a kernel
+                if self.step == self.last_step and self.phase != "setup" and not self.host and counter.counted(func):
                     self._cost(func, args, kwargs or {}, out)
             return out
 
@@ -737,6 +741,7 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         n_params, n_trainable, grad_bytes = n_params + more[0], n_trainable + more[1], grad_bytes + more[2]
         timings["unroll_s"] = time.perf_counter() - t
     peak, components, peak_phase = log_peak(log, kinds, marks)
+    offloaded = _offloaded(tr.host_allocs, depth) / micro
     return Trace(
         key=TraceKey.of(plan, model, workload, target),
         log=log,
@@ -754,7 +759,18 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         seconds=time.perf_counter() - t0,
         timings=timings,
         tags=tags,
+        offloaded=offloaded,
     )
+
+
+def _offloaded(allocs: list[tuple[int, int, Any]], depth: Depth | None) -> float:
+    """Host bytes the last traced step's activation offload copied, over all layers: the
+    template block's copies repeated as the unroll repeats its events."""
+    total = 0.0
+    for step, nbytes, tag in allocs:
+        if step == 1:
+            total += nbytes * (depth.copies if depth is not None and depth.block(tag) == 1 else 1)
+    return total
 
 
 def _track_weights(tr, net, layers: list) -> None:
@@ -933,11 +949,11 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target, alloc: AllocatorConfig | None
     workspaces and the caching allocator's pool replayed from the trace (:func:`reserved`)."""
     rm = rank_memory(trace, plan, ctx)
     comp = {k: rm.components.get(k, 0) for k in TENSOR_COMPONENTS}
-    host = 0.0
+    host = trace.offloaded  # pinned copies of one micro-batch's activations
     if plan.offload is not Offload.NONE:
         sb = costs.state_bytes(ctx.model, plan)
         st = costs.shard_states(plan, ctx.model, ctx.cluster, sb, 0.0, 0.0, 0.0)
-        host = st.host
+        host += st.host
     if ctx.cluster.gpu.kind != "cuda":
         # judged as on a CUDA device whatever the target (the CPU target too): what the
         # simulator has always done; the analytic evaluator passes the target's kind
@@ -1000,7 +1016,7 @@ def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
         backward=trace.ops.work("backward", n),
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        transfers=costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan)),
+        transfers=costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan), trace.offloaded),
         model_flops=plan.grad_accum * flops_micro,
     )
 

@@ -130,6 +130,9 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if args["fused_loss"]["enabled"]:
         fl = args["fused_loss"]
         before.append(f"- Fused loss: {fl['kernel'] or 'no kernel for this model'}; {fl['fallback']}.")
+    if args["activation_offloading"]["enabled"]:
+        ao = args["activation_offloading"]
+        before.append(f"- Activation offloading (no Trainer switch): `{ao['helper']}`; {ao['how']}.")
     source = f" ({m.source})" if m.source and m.source != m.name else ""
     return "\n".join(
         [

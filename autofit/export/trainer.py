@@ -91,6 +91,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         "quantization": None,
         "data": _data(plan, ctx),
         "fused_loss": _fused_loss(plan, liger),
+        "activation_offloading": _activation_offloading(plan),
     }
     if plan.is_peft:
         result["peft"] = lora_kwargs(ctx.model, plan)
@@ -141,6 +142,21 @@ def _data(plan: Plan, ctx: Target) -> dict[str, Any]:
         # each micro-batch padded to its longest sequence, padding labels ignored
         "data_collator": "transformers.DataCollatorForSeq2Seq",
         "data_collator_kwargs": {"padding": "longest", "label_pad_token_id": -100},
+    }
+
+
+def _activation_offloading(plan: Plan) -> dict[str, Any]:
+    """Trainer and accelerate have no switch for it: the lines a ``Trainer`` subclass needs."""
+    if not plan.offload_activations:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "helper": "autofit.evaluators.offload.ActivationOffload",
+        "how": "in a Trainer subclass, build `offload = ActivationOffload(model)` and "
+        "`offload.stop_at(model.get_output_embeddings())` once, then run the forward of "
+        "compute_loss under `with offload:` (the loss stays on the GPU)",
+        "library": "the rules of torchtune's OffloadActivations (TRL: SFTConfig(activation_offloading=True), "
+        "which also offloads the loss's tensors)",
     }
 
 

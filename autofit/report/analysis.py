@@ -264,12 +264,9 @@ def _candidates(
         plan.replace(checkpointing=other_ckpt),
         [],
     )
-    yield (
-        "fused loss",
-        f"fused loss {'on → off' if plan.fused_loss else 'off → on'}",
-        plan.replace(fused_loss=not plan.fused_loss),
-        [],
-    )
+    for name, technique in (("fused_loss", "fused loss"), ("offload_activations", "activation offload")):
+        on = getattr(plan, name)
+        yield technique, f"{technique} {'on → off' if on else 'off → on'}", plan.replace(**{name: not on}), []
     for a in Attention:
         if a is not plan.attention:
             yield "attention", f"attention {plan.attention.value} → {a.value}", plan.replace(attention=a), []

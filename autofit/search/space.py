@@ -3,8 +3,8 @@
 The user's training semantics are fixed: the global batch is theirs, so micro-batch and
 gradient accumulation are searched as factorizations of it; quality-affecting choices
 (method, LoRA rank, optimizer, precision) come only from what ``Allowed`` permits. The
-rest — checkpointing, attention kernel, sharding, offload, micro-batch, packing, fused
-loss — is always free.
+rest — checkpointing (with activation offload beside it on a GPU), attention kernel,
+sharding, offload, micro-batch, packing, fused loss — is always free.
 
 Knobs that exist only in some branches get branch-specific names (``offload_zero3``,
 ``lora_rank``), so Optuna's samplers see one consistent distribution per name; the
@@ -252,6 +252,12 @@ class SearchSpace:
         packing = False
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
+        # activation offload beside checkpointing (torchtune's pairing): the block inputs go to
+        # the host; alone it would move every saved tensor over PCIe. A CPU target has no host
+        # apart from its memory.
+        offload_acts = False
+        if ckpt is Checkpointing.FULL and self.ctx.cluster.gpu.kind == "cuda":
+            offload_acts = bool(trial.suggest_categorical("offload_activations", [False, True]))
         fused = False
         if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
@@ -266,6 +272,7 @@ class SearchSpace:
             offload=offload,
             packing=packing,
             fused_loss=fused,
+            offload_activations=offload_acts,
             **kw,
         )
 

@@ -44,7 +44,16 @@ ZERO3 = dict(
     precision="fp16-mixed", attention="eager", sharding="zero3", optimizer="adafactor", micro_batch=1, grad_accum=4
 )
 PACKED = dict(precision="bf16-true", attention="flash2", packing=True, micro_batch=2, grad_accum=1)
-PLANS = {"full": FULL, "eager-8bit": EAGER_8BIT, "lora": LORA, "qlora": QLORA, "zero3": ZERO3, "packed": PACKED}
+OFFLOAD = dict(precision="bf16-mixed", attention="sdpa", offload_activations=True, micro_batch=1, grad_accum=2)
+PLANS = {
+    "full": FULL,
+    "eager-8bit": EAGER_8BIT,
+    "lora": LORA,
+    "qlora": QLORA,
+    "zero3": ZERO3,
+    "packed": PACKED,
+    "offload": OFFLOAD,
+}
 
 # one model per family of the registry; gemma-2's layers alternate (period 2)
 FAMILIES = [
@@ -78,6 +87,8 @@ FAST = [
     ("gpt2", "full"),
     ("bert-large-uncased", "lora"),
     ("llama-3.2-1b", "packed"),
+    ("mistral-7b", "offload"),
+    ("gpt2", "offload"),
 ]
 SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
 LENGTHS = LengthDistribution(((24, 3), (70, 5), (128, 2)))
@@ -100,6 +111,7 @@ def assert_same(unrolled, full):
         full.peak_components,
         full.peak_phase,
     )
+    assert unrolled.offloaded == full.offloaded
     assert (unrolled.n_params, unrolled.n_trainable, unrolled.grad_bytes) == (
         full.n_params,
         full.n_trainable,

@@ -87,6 +87,7 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     liger = plan.fused_loss and ctx.model.family.liger
     assert targs.use_liger_kernel is liger
     assert args["fused_loss"]["enabled"] is plan.fused_loss
+    assert args["activation_offloading"]["enabled"] is plan.offload_activations
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
@@ -164,3 +165,19 @@ def test_fused_loss_without_a_liger_kernel_names_the_fallback():
     assert "use_liger_kernel" not in args["training_arguments"]
     assert args["fused_loss"]["kernel"] is None
     assert "chunked_cross_entropy" in args["fused_loss"]["fallback"]
+
+
+def test_activation_offloading_names_the_helper_the_measured_runs_use():
+    """No Trainer switch: the export names autofit's hooks, and the README says how to use them."""
+    import importlib
+
+    from autofit.evaluators.offload import ActivationOffload
+    from autofit.export import export_files
+
+    ctx = target("gpt2-1xT4")
+    plan = Plan(precision="fp16-mixed", micro_batch=1, grad_accum=8, checkpointing="full", offload_activations=True)
+    ao = trainer_args(plan, ctx)["activation_offloading"]
+    module, _, name = ao["helper"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is ActivationOffload
+    readme = export_files(plan, ctx)["README.md"]
+    assert "Activation offloading" in readme and ao["helper"] in readme and "stop_at" in readme

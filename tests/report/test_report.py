@@ -62,7 +62,7 @@ def test_plain_progress_is_one_line_per_trial_with_status_memory_speed_and_best(
 def test_live_progress_shows_the_count_the_current_plan_and_the_best(sqlite_store):
     store = sqlite_store
     req = search_request("gpt2", "1xA10", trials=8, seq_len=1024, global_batch=8)
-    console = terminal_console()
+    console = terminal_console(width=200)  # a plan with every technique is a 120-character summary
     progress = report.SearchProgress(console, req)
     assert progress.live
     panels = []

@@ -24,13 +24,14 @@ def test_fixed_trial_gives_the_plan():
                 "offload_zero2": "none",
                 "micro_batch": 4,
                 "checkpointing": "full",
+                "offload_activations": True,
                 "attention": "flash2",
                 "fused_loss": True,
             }
         )
     )
     assert plan.method is Method.QLORA and plan.micro_batch == 4 and plan.grad_accum == 2
-    assert plan.sharding is Sharding.ZERO2 and plan.fused_loss
+    assert plan.sharding is Sharding.ZERO2 and plan.fused_loss and plan.offload_activations
 
 
 @pytest.mark.parametrize(
