@@ -130,6 +130,9 @@ class Plan:
     # saved activations to host memory in forward, back in backward (torchtune's
     # OffloadActivations rules; autofit.evaluators.offload)
     offload_activations: bool = False
+    # each parameter's optimizer step runs as soon as its gradient is accumulated, which is
+    # then freed (torchtune's optimizer_in_bwd; runtime.BackwardOptimizer)
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -154,7 +157,7 @@ class Plan:
             object.__setattr__(self, "lora_dropout", float(d))
         else:
             problems.append(f"lora_dropout must be a number in [0, 1), got {d!r}")
-        for name in ("packing", "fused_loss", "offload_activations"):
+        for name in ("packing", "fused_loss", "offload_activations", "optimizer_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if problems:
@@ -223,12 +226,14 @@ class Plan:
             parts.append("fused-loss")
         if self.offload_activations:
             parts.append("act-offload")
+        if self.optimizer_in_backward:
+            parts.append("opt-in-bwd")
         return " · ".join(parts)
 
 
 # fields added after plans were first stored: left out of the canonical form (and so of
 # ``plan_id``) while they hold their default
-_LATER_FIELDS = {"lora_dropout": 0.0, "offload_activations": False}
+_LATER_FIELDS = {"lora_dropout": 0.0, "offload_activations": False, "optimizer_in_backward": False}
 
 
 def _plain(value: Any) -> Any:
@@ -310,10 +315,31 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             )
     elif plan.offload_device is not OffloadDevice.CPU:
         p.append("--offload-device applies only with an offload; drop it")
+    if plan.optimizer_in_backward:
+        p += _in_backward_problems(plan, world)
     if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
         p.append(
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
             "use adamw, or sharding zero1/zero2"
+        )
+    return p
+
+
+def _in_backward_problems(plan: Plan, world: int) -> list[str]:
+    """Where a step fused into backward cannot run: torchtune's single-device rule (no
+    gradient accumulation, no clipping, one process) and no engine that steps itself."""
+    p = []
+    if plan.grad_accum != 1:
+        p.append(
+            f"optimizer in backward steps each parameter once its gradient is made, so it cannot accumulate "
+            f"{plan.grad_accum} micro-batches: use grad_accum 1 (a micro-batch of the whole per-GPU batch)"
+        )
+    if world > 1 or plan.engine != "torch":
+        p.append("optimizer in backward runs on one GPU without sharding or offload (torchtune's single-device recipe)")
+    if plan.precision is Precision.FP16_MIXED:
+        p.append(
+            "optimizer in backward would step on fp16's loss-scaled gradients (the scaler unscales them only "
+            "after backward): use bf16-mixed or bf16-true"
         )
     return p
 
@@ -346,7 +372,8 @@ _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.OPTIMIZER_PARAMS
 def moving_parts(plan: Plan) -> tuple[str, ...]:
     """The techniques a plan adds to plain training besides sharding and offload, each one
     more thing to install, configure or debug: LoRA (QLoRA counts twice: 4-bit weights too),
-    gradient checkpointing, flash2 attention, a fused loss, packing, activation offload, an 8-bit optimizer
+    gradient checkpointing, flash2 attention, a fused loss, packing, activation offload, the
+    optimizer in backward, an 8-bit optimizer
     (paged counts twice). Precision and the attention kernels torch ships are not parts."""
     parts: list[str] = []
     if plan.is_peft:
@@ -363,6 +390,8 @@ def moving_parts(plan: Plan) -> tuple[str, ...]:
         parts.append("packing")
     if plan.offload_activations:
         parts.append("activation offload")
+    if plan.optimizer_in_backward:
+        parts.append("optimizer in backward")
     if plan.optimizer in _EIGHT_BIT:
         parts.append("8-bit optimizer")
     if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
@@ -402,7 +431,12 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
             out.append(f"{name.replace('_', ' ')} {_plain(a)} → {_plain(b)}")
     if (base.offload, base.offload_device) != (other.offload, other.offload_device):
         out.append(f"offload {_offload_label(base)} → {_offload_label(other)}")
-    toggles = (("fused_loss", "fused loss"), ("packing", "packing"), ("offload_activations", "activation offload"))
+    toggles = (
+        ("fused_loss", "fused loss"),
+        ("packing", "packing"),
+        ("offload_activations", "activation offload"),
+        ("optimizer_in_backward", "optimizer in backward"),
+    )
     for name, label in toggles:
         a, b = getattr(base, name), getattr(other, name)
         if a != b:

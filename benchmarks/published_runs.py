@@ -234,10 +234,10 @@ class Case:
 def _special(row: dict[str, str]) -> str:
     """Why a row ran something autofit has no plan for, or ""."""
     notes, source = row["notes"], row["source"]
-    if "optimizer_in_bwd=True" in notes or (source == "torchtune-readme" and "PagedAdamW8bit" in row["optimizer"]):
+    if source == "torchtune-readme" and "PagedAdamW8bit" in row["optimizer"]:
         return (
-            "torchtune optimizer-in-backward with bitsandbytes paged 8-bit states (cudaMallocManaged, "
-            "outside torch's memory counters): no autofit plan"
+            "bitsandbytes paged 8-bit states (cudaMallocManaged, outside torch's memory counters, which the "
+            "row's metric reads): autofit counts them on the device"
         )
     if source == "ms-swift-benchmark" and row["gpus"].startswith("2x"):
         return "ms-swift splits the model over 2 GPUs with device_map (naive model parallelism): not a plan autofit has"
@@ -335,8 +335,11 @@ def _request(row: dict[str, str], spec: Any, gpus: str, setup: SourceSetup, note
         offload=row["offload"] or "none",
         fused_loss=setup.fused_loss or "chunked_CE=True" in row["notes"],
     )
-    if "activation_offloading=True" in row["notes"]:  # the key only where set: earlier runs' requests match
+    # the keys only where set: earlier runs' requests match
+    if "activation_offloading=True" in row["notes"]:
         plan["offload_activations"] = True
+    if "optimizer_in_bwd=True" in row["notes"]:
+        plan["optimizer_in_backward"] = True
     if method in ("lora", "qlora"):
         plan["lora_rank"] = int(row["lora_rank"])
         targets = setup.lora_targets

@@ -175,6 +175,13 @@ def plan_options(fn: Callable) -> Callable:
             show_default=True,
             help="Saved activations to host memory in forward, back in backward (torchtune's activation offloading).",
         ),
+        click.option(
+            "--optimizer-in-backward/--no-optimizer-in-backward",
+            default=False,
+            show_default=True,
+            help="Step each parameter as soon as its gradient is made, and free it (torchtune's optimizer_in_bwd; "
+            "one GPU, grad_accum 1).",
+        ),
     ]
     for d in reversed(decorators):
         fn = d(fn)

@@ -707,7 +707,22 @@ def _moments(
     }
     if plan.checkpointing is Checkpointing.FULL:
         moments.update(_recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks))
+    if plan.optimizer_in_backward:  # each gradient is freed by its own step (runtime.BackwardOptimizer)
+        largest = _largest_grad(model, plan, ms.sb)
+        for m in moments.values():
+            m["gradients"] = min(m["gradients"], largest)
     return moments
+
+
+def _largest_grad(model: ModelSpec, plan: Plan, sb: costs.StateBytes) -> float:
+    """The largest gradient one trainable parameter has: the most an optimizer in backward
+    holds at once (the next one is made only after the last one's step)."""
+    widest = max(max(i, o) for _, i, o, _ in model.linears())
+    if plan.method is Method.FULL:
+        n = max(model.vocab_size * model.hidden_size, max(i * o for _, i, o, _ in model.linears()))
+    else:
+        n = (plan.lora_rank or 0) * widest
+    return n * sb.grad_elem_bytes
 
 
 def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, dict[str, float]]:
@@ -1026,9 +1041,10 @@ def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: int) -> int:
 def _optimizer_kernels(plan: Plan, tensors: int) -> float:
     """Kernels of the optimizer step: torch's fused AdamW steps every tensor in a few
     multi-tensor launches (6 in the traced steps); bitsandbytes' 8-bit optimizers launch one
-    kernel per tensor; Adafactor (``foreach=False``) and SGD about ten small ops per tensor."""
+    kernel per tensor; Adafactor (``foreach=False``) and SGD about ten small ops per tensor. A
+    step in backward runs one optimizer per tensor: fused AdamW's launches for each."""
     if plan.optimizer is Optimizer.ADAMW:
-        return 6
+        return 6 * tensors if plan.optimizer_in_backward else 6
     if plan.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT):
         return tensors
     return 10 * tensors

@@ -395,8 +395,58 @@ def bnb_decompositions(kind: str) -> dict:
     return {op: (when, _gemm_4bit_default_impl)}
 
 
-def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.Optimizer:
+def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> Any:
+    """The plan's optimizer over the trainable parameters (one per parameter, stepped in
+    backward, where the plan says so: :class:`BackwardOptimizer`)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer_in_backward:
+        return BackwardOptimizer(params, lambda one: _optimizer(plan, one, lr))
+    return _optimizer(plan, params, lr)
+
+
+class BackwardOptimizer(torch.optim.Optimizer):
+    """The optimizer step fused into backward: one optimizer per parameter, stepped by the
+    parameter's ``register_post_accumulate_grad_hook`` as soon as its gradient is
+    accumulated, and the gradient freed at once, so no moment holds every gradient.
+
+    What torchtune's ``optimizer_in_bwd`` does (``training.create_optim_in_bwd_wrapper`` and
+    ``register_optim_in_bwd_hooks``), after PyTorch's tutorial "How to save memory by fusing
+    the optimizer step into the backward pass". An ``Optimizer`` to whatever drives it (the
+    Trainer, an LR scheduler): ``step`` and ``zero_grad`` do nothing, ``param_groups`` are
+    the per-parameter optimizers' own groups (a schedule's ``group["lr"]`` reaches them) and
+    ``state`` is the one dict they share. Gradients are gone by the time backward returns:
+    they cannot be clipped, nor unscaled (no fp16 loss scaling).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], make: Callable[[list], torch.optim.Optimizer]) -> None:
+        super().__init__(params, {})
+        self.optimizers = {p: make([p]) for p in params}
+        for opt in self.optimizers.values():
+            opt.state = self.state  # torch optimizers key their state by parameter
+        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        self.on_grad: Callable[[torch.Tensor], None] | None = None  # sees each gradient before its step
+        self._handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.optimizers]
+
+    def _step(self, p: torch.Tensor) -> None:
+        if self.on_grad is not None:
+            self.on_grad(p)
+        opt = self.optimizers[p]
+        with _real_scalars_of(p):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _optimizer(plan: Plan, params: list, lr: float) -> torch.optim.Optimizer:
     if plan.optimizer is Optimizer.ADAMW:
         try:
             return torch.optim.AdamW(params, lr=lr, fused=True)
@@ -539,6 +589,8 @@ class StepRunner:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward
             enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
+        if tracker is not None and isinstance(optimizer, BackwardOptimizer):
+            optimizer.on_grad = lambda p: tracker.mark([p.grad], "gradients")
         self._offload = None
         if plan.offload_activations:
             self._offload = offload.ActivationOffload(inner, self.device.type, tracker)
@@ -670,7 +722,10 @@ def _real_scalars(model: torch.nn.Module):
     are created real, while every op on a fake parameter, gradient or state still runs
     fake (a fake tensor dispatches to its own mode).
     """
-    p = next(iter(model.parameters()), None)
+    return _real_scalars_of(next(iter(model.parameters()), None))
+
+
+def _real_scalars_of(p: torch.Tensor | None):
     if p is not None and _is_fake(p):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 

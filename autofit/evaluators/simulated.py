@@ -69,6 +69,7 @@ class TraceKey:
     packing: bool
     fused_loss: bool
     offload_activations: bool
+    optimizer_in_backward: bool
     sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
     target: TraceDevice
 
@@ -91,6 +92,7 @@ class TraceKey:
             packing=plan.packing,
             fused_loss=plan.fused_loss,
             offload_activations=plan.offload_activations,
+            optimizer_in_backward=plan.optimizer_in_backward,
             sharded_layout=plan.engine != "torch",
             target=target,
         )

@@ -133,6 +133,9 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if args["activation_offloading"]["enabled"]:
         ao = args["activation_offloading"]
         before.append(f"- Activation offloading (no Trainer switch): `{ao['helper']}`; {ao['how']}.")
+    if args["optimizer_in_backward"]["enabled"]:
+        ob = args["optimizer_in_backward"]
+        before.append(f"- Optimizer step in backward (no Trainer switch): `{ob['helper']}`; {ob['how']}.")
     source = f" ({m.source})" if m.source and m.source != m.name else ""
     return "\n".join(
         [

@@ -77,6 +77,8 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
                 + "); optim is not used"
             )
 
+    if plan.optimizer_in_backward:  # each gradient is stepped and freed inside backward
+        ta["max_grad_norm"] = 0.0
     liger = plan.fused_loss and ctx.model.family.liger
     if liger:
         ta["use_liger_kernel"] = True
@@ -92,6 +94,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         "data": _data(plan, ctx),
         "fused_loss": _fused_loss(plan, liger),
         "activation_offloading": _activation_offloading(plan),
+        "optimizer_in_backward": _optimizer_in_backward(plan),
     }
     if plan.is_peft:
         result["peft"] = lora_kwargs(ctx.model, plan)
@@ -157,6 +160,20 @@ def _activation_offloading(plan: Plan) -> dict[str, Any]:
         "compute_loss under `with offload:` (the loss stays on the GPU)",
         "library": "the rules of torchtune's OffloadActivations (TRL: SFTConfig(activation_offloading=True), "
         "which also offloads the loss's tensors)",
+    }
+
+
+def _optimizer_in_backward(plan: Plan) -> dict[str, Any]:
+    """No Trainer switch either: a per-parameter optimizer stepped by gradient hooks."""
+    if not plan.optimizer_in_backward:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "helper": "autofit.evaluators.runtime.make_optimizer",
+        "how": "build the optimizer with `make_optimizer(plan, model)` (a BackwardOptimizer: each parameter "
+        "steps in its gradient hook) and pass it as `Trainer(optimizers=(optimizer, None))` with "
+        "max_grad_norm 0: the gradients are gone before clipping could see them",
+        "library": "torchtune's optimizer_in_bwd (create_optim_in_bwd_wrapper, register_optim_in_bwd_hooks)",
     }
 
 

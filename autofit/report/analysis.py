@@ -264,7 +264,12 @@ def _candidates(
         plan.replace(checkpointing=other_ckpt),
         [],
     )
-    for name, technique in (("fused_loss", "fused loss"), ("offload_activations", "activation offload")):
+    toggles = (
+        ("fused_loss", "fused loss"),
+        ("offload_activations", "activation offload"),
+        ("optimizer_in_backward", "optimizer in backward"),
+    )
+    for name, technique in toggles:
         on = getattr(plan, name)
         yield technique, f"{technique} {'on → off' if on else 'off → on'}", plan.replace(**{name: not on}), []
     for a in Attention:

@@ -4,7 +4,8 @@ The user's training semantics are fixed: the global batch is theirs, so micro-ba
 gradient accumulation are searched as factorizations of it; quality-affecting choices
 (method, LoRA rank, optimizer, precision) come only from what ``Allowed`` permits. The
 rest — checkpointing (with activation offload beside it on a GPU), attention kernel,
-sharding, offload, micro-batch, packing, fused loss — is always free.
+sharding, offload, micro-batch, packing, fused loss, the optimizer step in backward (one
+GPU, no accumulation) — is always free.
 
 Knobs that exist only in some branches get branch-specific names (``offload_zero3``,
 ``lora_rank``), so Optuna's samplers see one consistent distribution per name; the
@@ -258,6 +259,11 @@ class SearchSpace:
         offload_acts = False
         if ckpt is Checkpointing.FULL and self.ctx.cluster.gpu.kind == "cuda":
             offload_acts = bool(trial.suggest_categorical("offload_activations", [False, True]))
+        # the step in backward where nothing accumulates or shards (plan._in_backward_problems)
+        in_bwd = False
+        single = self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE and self.per_rank_batch == mb
+        if single and precision is not Precision.FP16_MIXED:
+            in_bwd = bool(trial.suggest_categorical("optimizer_in_backward", [False, True]))
         fused = False
         if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
@@ -273,6 +279,7 @@ class SearchSpace:
             packing=packing,
             fused_loss=fused,
             offload_activations=offload_acts,
+            optimizer_in_backward=in_bwd,
             **kw,
         )
 

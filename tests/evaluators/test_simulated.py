@@ -105,6 +105,14 @@ FAST = [
         ),
     ),
     ("gpt2", Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, offload_activations=True)),
+    # the optimizer step in backward: each gradient marked, stepped and freed inside backward
+    ("mistral-7b", Plan(precision="bf16-true", micro_batch=2, checkpointing="full", optimizer_in_backward=True)),
+    (
+        "gpt2",
+        Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, optimizer="adamw-8bit").replace(
+            optimizer_in_backward=True
+        ),
+    ),
 ]
 
 
@@ -419,6 +427,7 @@ ANALYTIC_PLANS = [
         offload_activations=True
     ),
     Plan(precision="bf16-true", checkpointing="full", micro_batch=2, offload_activations=True),
+    Plan(precision="bf16-true", checkpointing="full", micro_batch=2, optimizer_in_backward=True),
 ]
 
 

@@ -45,6 +45,7 @@ ZERO3 = dict(
 )
 PACKED = dict(precision="bf16-true", attention="flash2", packing=True, micro_batch=2, grad_accum=1)
 OFFLOAD = dict(precision="bf16-mixed", attention="sdpa", offload_activations=True, micro_batch=1, grad_accum=2)
+IN_BWD = dict(precision="bf16-true", attention="sdpa", checkpointing="full", optimizer_in_backward=True, micro_batch=2)
 PLANS = {
     "full": FULL,
     "eager-8bit": EAGER_8BIT,
@@ -53,6 +54,7 @@ PLANS = {
     "zero3": ZERO3,
     "packed": PACKED,
     "offload": OFFLOAD,
+    "in-bwd": IN_BWD,
 }
 
 # one model per family of the registry; gemma-2's layers alternate (period 2)
@@ -89,6 +91,7 @@ FAST = [
     ("llama-3.2-1b", "packed"),
     ("mistral-7b", "offload"),
     ("gpt2", "offload"),
+    ("llama-3.2-1b", "in-bwd"),
 ]
 SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
 LENGTHS = LengthDistribution(((24, 3), (70, 5), (128, 2)))

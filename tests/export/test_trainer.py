@@ -88,6 +88,9 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     assert targs.use_liger_kernel is liger
     assert args["fused_loss"]["enabled"] is plan.fused_loss
     assert args["activation_offloading"]["enabled"] is plan.offload_activations
+    assert args["optimizer_in_backward"]["enabled"] is plan.optimizer_in_backward
+    if plan.optimizer_in_backward:
+        assert targs.max_grad_norm == 0
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
@@ -181,3 +184,27 @@ def test_activation_offloading_names_the_helper_the_measured_runs_use():
     assert getattr(importlib.import_module(module), name) is ActivationOffload
     readme = export_files(plan, ctx)["README.md"]
     assert "Activation offloading" in readme and ao["helper"] in readme and "stop_at" in readme
+
+
+def test_optimizer_in_backward_builds_an_optimizer_the_trainer_takes(tmp_path):
+    """The export's helper gives a ``torch.optim.Optimizer`` with per-parameter steps, and
+    clipping is off (the gradients are freed inside backward)."""
+    import importlib
+
+    import torch
+
+    from autofit.export import export_files
+
+    ctx = target("gpt2-1xT4")
+    plan = Plan(precision="32-true", micro_batch=8, checkpointing="full", optimizer_in_backward=True)
+    args = trainer_args(plan, ctx)
+    ob = args["optimizer_in_backward"]
+    module, _, name = ob["helper"].rpartition(".")
+    make = getattr(importlib.import_module(module), name)
+    model = torch.nn.Linear(4, 4)
+    opt = make(plan, model)
+    assert isinstance(opt, torch.optim.Optimizer) and len(opt.optimizers) == 2
+    opt.remove()
+    assert args["training_arguments"]["max_grad_norm"] == 0
+    readme = export_files(plan, ctx)["README.md"]
+    assert "Optimizer step in backward" in readme and ob["helper"] in readme
