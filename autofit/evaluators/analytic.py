@@ -585,8 +585,8 @@ def _activations(
         recompute = 0.0
     offloaded = 0.0
     if plan.offload_activations:
-        # every block's saves go to the host (evaluators.offload); the device keeps the one
-        # block whose tensors are being saved or brought back (the head's stay: not offloaded)
+        # every block's saves go to the host (evaluators.offload) and come back node by node
+        # in backward (the backward moments' transients); the head's stay: not offloaded
         offloaded, saved_blocks = saved_blocks, 0.0
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0

@@ -8,7 +8,7 @@ the device). It follows the rules of torchtune's ``OffloadActivations``
 ``trl.models.activation_offloading`` (``SFTConfig.activation_offloading``):
 
 - a saved tensor is offloaded when it lives on the compute device, holds at least
-  ``min_bytes`` (1024) and is not a parameter or a buffer (their storage stays anyway);
+  :data:`MIN_BYTES` and is not a parameter or a buffer (their storage stays anyway);
 - the output head and the loss are left out (:meth:`ActivationOffload.stop` from the
   head's forward on): torchtune computes the loss outside the offloading context and
   keeps the head under a ``NoOpManager``, because their tensors come back at once in
@@ -49,10 +49,11 @@ class ActivationOffload(saved_tensors_hooks):
         self.device = device
         self.tracker = tracker
         self.pin = pin_memory and device == "cuda"
-        self.offloaded_bytes = 0  # host bytes copied since the counter was last read
+        self.offloaded_bytes = 0  # host bytes copied so far
         self._params = {_storage(t) for t in (*model.parameters(), *model.buffers())}
         self._active = True
-        self._seen: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # storage -> (first tensor, host copy)
+        # (storage, offset, size, stride, dtype) -> (the tensor first saved, its host copy)
+        self._seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self):

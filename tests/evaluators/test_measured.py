@@ -259,6 +259,28 @@ def test_measured_peaks_beside_the_analytic_prediction(single_runs):
     assert all(abs(g) < 0.04 for g in gaps.values()), gaps
 
 
+def test_a_measured_trial_offloads_activations_and_steps_in_backward(tmp_path):
+    """The child runs both techniques through the same runtime the simulator traces: on the
+    CPU target (one tracker for both) the measured peak is the simulated one."""
+    from autofit.evaluators.simulated import SimulatedEvaluator
+
+    plan = Plan(
+        precision="bf16-mixed",
+        micro_batch=4,
+        checkpointing="full",
+        offload_activations=True,
+        optimizer_in_backward=True,
+    )
+    ctx = cpu_ctx()
+    r = MeasuredEvaluator(warmup_steps=2, timed_steps=1, timeout_s=300, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    assert r.extra["engine"]["optimizer_class"] == "BackwardOptimizer" and r.extra["engine"]["checkpointing"]
+    spec = tiny("mistral-7b")
+    assert r.memory.gradients <= spec.vocab_size * spec.hidden_size * 4  # one fp32 gradient at most
+    sim = SimulatedEvaluator().evaluate(plan, ctx).memory
+    assert sim.peak_allocated == pytest.approx(r.memory.peak_allocated, rel=0.02)
+
+
 def test_measured_results_are_stored_with_device_and_budget(single_runs, store):
     runs = single_runs
     study = store.create_study(cpu_ctx(), evaluator="measured")
