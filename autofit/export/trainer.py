@@ -148,33 +148,33 @@ def _data(plan: Plan, ctx: Target) -> dict[str, Any]:
     }
 
 
+def _no_switch(enabled: bool, helper: str, how: str, library: str) -> dict[str, Any]:
+    """A technique Trainer and accelerate have no switch for: the autofit helper the measured
+    runs use, and the lines a Trainer script needs."""
+    return {"enabled": True, "helper": helper, "how": how, "library": library} if enabled else {"enabled": False}
+
+
 def _activation_offloading(plan: Plan) -> dict[str, Any]:
-    """Trainer and accelerate have no switch for it: the lines a ``Trainer`` subclass needs."""
-    if not plan.offload_activations:
-        return {"enabled": False}
-    return {
-        "enabled": True,
-        "helper": "autofit.evaluators.offload.ActivationOffload",
-        "how": "in a Trainer subclass, build `offload = ActivationOffload(model)` and "
+    return _no_switch(
+        plan.offload_activations,
+        "autofit.evaluators.offload.ActivationOffload",
+        "in a Trainer subclass, build `offload = ActivationOffload(model)` and "
         "`offload.stop_at(model.get_output_embeddings())` once, then run the forward of "
         "compute_loss under `with offload:` (the loss stays on the GPU)",
-        "library": "the rules of torchtune's OffloadActivations (TRL: SFTConfig(activation_offloading=True), "
+        "the rules of torchtune's OffloadActivations (TRL: SFTConfig(activation_offloading=True), "
         "which also offloads the loss's tensors)",
-    }
+    )
 
 
 def _optimizer_in_backward(plan: Plan) -> dict[str, Any]:
-    """No Trainer switch either: a per-parameter optimizer stepped by gradient hooks."""
-    if not plan.optimizer_in_backward:
-        return {"enabled": False}
-    return {
-        "enabled": True,
-        "helper": "autofit.evaluators.runtime.make_optimizer",
-        "how": "build the optimizer with `make_optimizer(plan, model)` (a BackwardOptimizer: each parameter "
+    return _no_switch(
+        plan.optimizer_in_backward,
+        "autofit.evaluators.runtime.make_optimizer",
+        "build the optimizer with `make_optimizer(plan, model)` (a BackwardOptimizer: each parameter "
         "steps in its gradient hook) and pass it as `Trainer(optimizers=(optimizer, None))` with "
         "max_grad_norm 0: the gradients are gone before clipping could see them",
-        "library": "torchtune's optimizer_in_bwd (create_optim_in_bwd_wrapper, register_optim_in_bwd_hooks)",
-    }
+        "torchtune's optimizer_in_bwd (create_optim_in_bwd_wrapper, register_optim_in_bwd_hooks)",
+    )
 
 
 def _fused_loss(plan: Plan, liger: bool) -> dict[str, Any]:

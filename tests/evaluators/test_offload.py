@@ -19,6 +19,7 @@ from autofit.evaluators.simulated import SimulatedEvaluator, TraceDevice, run_tr
 from autofit.plan import Plan
 from autofit.specs import Target, Workload, parse_cluster
 from tests.conftest import tiny
+from tests.evaluators.test_simulated import real_steps
 
 WORKLOAD = Workload(seq_len=128, global_batch=2)  # one micro-batch of 2
 
@@ -70,16 +71,7 @@ def test_offloading_moves_activations_to_the_host_on_a_real_cpu_step():
     spec = tiny("llama-2-7b", layers=3)
     peaks = {}
     for off in (False, True):
-        plan = Plan(precision="bf16-mixed", micro_batch=2, offload_activations=off)
-        model = rt.build_model(spec, plan)
-        opt = rt.make_optimizer(plan, model)
-        tr = StorageTracker()
-        with tr:
-            tr.track(rt.state_tensors(model), "weights")
-            runner = rt.StepRunner(spec, plan, model, opt, tracker=tr)
-            for step in range(2):
-                runner.step(rt.batches_for(spec, plan, WORKLOAD, step=step), step=step)
-        runner.close()
+        tr = real_steps(spec, Plan(precision="bf16-mixed", micro_batch=2, offload_activations=off), WORKLOAD)
         peaks[off] = (tr.snapshot(), tr.host_peak)
     (plain, no_host), (off, host) = peaks[False], peaks[True]
     assert no_host == 0 and host > 0

@@ -12,10 +12,10 @@ import torch
 from autofit.errors import PlanError
 from autofit.evaluators import runtime as rt
 from autofit.evaluators.analytic import estimate
-from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Plan, validate_plan
 from autofit.specs import Target, Workload, parse_cluster
 from tests.conftest import tiny
+from tests.evaluators.test_simulated import real_steps
 
 WORKLOAD = Workload(seq_len=64, global_batch=2)
 
@@ -58,14 +58,7 @@ def test_no_moment_holds_every_gradient():
     grads = {}
     for in_bwd in (False, True):
         plan = Plan(precision="bf16-true", micro_batch=2, checkpointing="full", optimizer_in_backward=in_bwd)
-        model = rt.build_model(spec, plan)
-        tr = StorageTracker()
-        with tr:
-            tr.track(rt.state_tensors(model), "weights")
-            runner = rt.StepRunner(spec, plan, model, rt.make_optimizer(plan, model), tracker=tr)
-            for step in range(2):
-                runner.step(rt.batches_for(spec, plan, WORKLOAD, step=step), step=step)
-        runner.close()
+        tr = real_steps(spec, plan, WORKLOAD)
         most = max(tr.snapshot(i).components["gradients"] for i in range(0, len(tr.log), 50))
         grads[in_bwd] = (most, tr.peak)
     every = sum(p.numel() * 2 for p in rt.build_model(spec, plan).parameters())

@@ -39,7 +39,7 @@ COMPONENT_TOL = 0.05
 SMALL = 0.01  # components under 1% of the peak: absolute tolerance of 1% of the peak
 
 
-def measure(spec, plan, workload):
+def real_steps(spec, plan, workload) -> StorageTracker:
     """Two real training steps on the CPU, through the same runtime and tracker."""
     model = rt.build_model(spec, plan)
     opt = rt.make_optimizer(plan, model)
@@ -50,7 +50,12 @@ def measure(spec, plan, workload):
         for step in range(2):
             runner.step(rt.batches_for(spec, plan, workload, step=step), step=step)
     runner.close()
-    return tr.snapshot()
+    return tr
+
+
+def measure(spec, plan, workload):
+    """The breakdown at the peak of :func:`real_steps`."""
+    return real_steps(spec, plan, workload).snapshot()
 
 
 def assert_matches(real, trace):
