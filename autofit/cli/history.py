@@ -42,16 +42,15 @@ def show(study, db_url, as_json):
     store = Store(db_url)
     rec = store.get_study(study)
     trials = store.trials(rec.id)
-    standing = standing_of([t.result() for t in trials], rec.context())
+    ctx = rec.context()
+    standing = standing_of([t.result() for t in trials], ctx)
     if as_json:
-        click.echo(
-            console.dumps(
-                {"study": rec.as_dict(), "trials": [t.as_dict() for t in trials], "standing": standing.as_dict()}
-            )
-        )
+        data = {"study": rec.as_dict(), "trials": [t.as_dict() for t in trials], "standing": standing.as_dict()}
+        click.echo(console.dumps({**data, **console.cluster_dict(ctx.cluster)}))
         return
     term = console.terminal()
     term.print(console.study_header(rec))
+    console.print_assumptions(term, ctx.cluster)
     term.print(console.trials_table(trials, standing.best))
     console.print_answer(term, standing, rec.allowed.get("methods") or [])
     term.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
@@ -86,8 +85,10 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
         )
         sys.exit(1)
     result = store.trial_result(rec)
+    judged_on = store.get_study(rec.study_id).context().cluster  # what the stored answer assumed
     if as_json:
-        click.echo(console.dumps({**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}))
+        data = {**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}
+        click.echo(console.dumps({**data, **console.cluster_dict(judged_on)}))
         return
     term = console.terminal()
     term.print(
@@ -95,6 +96,7 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
         f"({result.evaluator}, study {rec.study_id}, trial {rec.number})"
     )
     term.print(console.anatomy_table(result))
+    console.print_assumptions(term, judged_on)
 
 
 @click.command(name="export")

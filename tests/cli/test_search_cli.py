@@ -56,6 +56,9 @@ def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
     assert len(shown["trials"]) == sum(data["counts"].values())
 
     best = json.loads(run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, "--json").stdout)
+    # both say what the stored answer assumed of the cluster (here: the host memory), as search did
+    assert best["assumptions"] == shown["assumptions"] == data["assumptions"] != []
+    assert best["cluster"] == shown["cluster"] == data["cluster"]
     assert best["plan_id"] == data["best"]["plan_id"]
 
     exported = json.loads(run("export", study, "--out", tmp_path / "again", "--db", db_url, "--json").stdout)
@@ -213,6 +216,11 @@ def test_export_show_history_and_best_pick_the_same_trial(db_url, tmp_path):
     assert outcome.best.plan == slow.plan  # the search's own answer
     assert json.loads(run("history", "--db", db_url, "--json").stdout)[0]["best"]["number"] == 1
     best = json.loads(run("best", "--model", "gpt2", "--gpus", "1xA10", "--db", db_url, "--json").stdout)
+    # both say what the stored answer assumed of the cluster (here: the host memory), as search does
+    assert best["assumptions"] == shown["assumptions"] == list(ctx.cluster.assumptions()) != []
+    assert best["cluster"] == shown["cluster"] == ctx.cluster.as_dict()
+    for cmd in (["show", "superseded"], ["best", "--model", "gpt2", "--gpus", "1xA10"]):
+        assert "assumed: host memory per node assumed" in " ".join(run(*cmd, "--db", db_url).stdout.split())
     assert best["trial"] == 1
 
 
