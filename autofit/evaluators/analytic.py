@@ -717,11 +717,11 @@ def _moments(
 def _largest_grad(model: ModelSpec, plan: Plan, sb: costs.StateBytes) -> float:
     """The largest gradient one trainable parameter has: the most an optimizer in backward
     holds at once (the next one is made only after the last one's step)."""
-    widest = max(max(i, o) for _, i, o, _ in model.linears())
+    linears = model.linears()
     if plan.method is Method.FULL:
-        n = max(model.vocab_size * model.hidden_size, max(i * o for _, i, o, _ in model.linears()))
-    else:
-        n = (plan.lora_rank or 0) * widest
+        n = max(model.vocab_size * model.hidden_size, max(i * o for _, i, o, _ in linears))
+    else:  # an adapter's A or B
+        n = (plan.lora_rank or 0) * max(max(i, o) for _, i, o, _ in linears)
     return n * sb.grad_elem_bytes
 
 

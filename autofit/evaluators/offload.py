@@ -57,9 +57,14 @@ class ActivationOffload(saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self):
-        self._seen.clear()
         self._active = True
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        # the forward is over: only autograd's saved tensors hold the host copies now, so
+        # each is freed when backward has used it
+        self._seen.clear()
+        return super().__exit__(*exc)
 
     def stop(self) -> None:
         """Keep what the rest of this forward saves on the device (the head and the loss)."""
