@@ -133,6 +133,9 @@ class Plan:
     # each parameter's optimizer step runs as soon as its gradient is accumulated, which is
     # then freed (torchtune's optimizer_in_bwd; runtime.BackwardOptimizer)
     optimizer_in_backward: bool = False
+    # Liger's fused RMSNorm, SwiGLU and RoPE kernels in every block (the Trainer's
+    # use_liger_kernel; autofit.evaluators.fused stands in for them off CUDA)
+    fused_kernels: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -157,7 +160,7 @@ class Plan:
             object.__setattr__(self, "lora_dropout", float(d))
         else:
             problems.append(f"lora_dropout must be a number in [0, 1), got {d!r}")
-        for name in ("packing", "fused_loss", "offload_activations", "optimizer_in_backward"):
+        for name in ("packing", "fused_loss", "offload_activations", "optimizer_in_backward", "fused_kernels"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if problems:
@@ -224,6 +227,8 @@ class Plan:
             parts.append("packed")
         if self.fused_loss:
             parts.append("fused-loss")
+        if self.fused_kernels:
+            parts.append("fused-kernels")
         if self.offload_activations:
             parts.append("act-offload")
         if self.optimizer_in_backward:
@@ -233,7 +238,12 @@ class Plan:
 
 # fields added after plans were first stored: left out of the canonical form (and so of
 # ``plan_id``) while they hold their default
-_LATER_FIELDS = {"lora_dropout": 0.0, "offload_activations": False, "optimizer_in_backward": False}
+_LATER_FIELDS = {
+    "lora_dropout": 0.0,
+    "offload_activations": False,
+    "optimizer_in_backward": False,
+    "fused_kernels": False,
+}
 
 
 def _plain(value: Any) -> Any:
@@ -317,6 +327,11 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         p.append("--offload-device applies only with an offload; drop it")
     if plan.optimizer_in_backward:
         p += _in_backward_problems(plan, world)
+    if plan.fused_kernels and not model.family.fused_kernels:
+        p.append(
+            f"fused kernels (Liger's RMSNorm, SwiGLU and RoPE) replace a llama-like block; {model.model_type} "
+            "models have another: drop --fused-kernels (--fused-loss fuses the loss alone)"
+        )
     if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
         p.append(
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
@@ -372,8 +387,8 @@ _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.OPTIMIZER_PARAMS
 def moving_parts(plan: Plan) -> tuple[str, ...]:
     """The techniques a plan adds to plain training besides sharding and offload, each one
     more thing to install, configure or debug: LoRA (QLoRA counts twice: 4-bit weights too),
-    gradient checkpointing, flash2 attention, a fused loss, packing, activation offload, the
-    optimizer in backward, an 8-bit optimizer
+    gradient checkpointing, flash2 attention, a fused loss, fused kernels, packing, activation
+    offload, the optimizer in backward, an 8-bit optimizer
     (paged counts twice). Precision and the attention kernels torch ships are not parts."""
     parts: list[str] = []
     if plan.is_peft:
@@ -386,6 +401,8 @@ def moving_parts(plan: Plan) -> tuple[str, ...]:
         parts.append("flash2 attention")
     if plan.fused_loss:
         parts.append("fused loss")
+    if plan.fused_kernels:
+        parts.append("fused kernels")
     if plan.packing:
         parts.append("packing")
     if plan.offload_activations:
@@ -433,6 +450,7 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
         out.append(f"offload {_offload_label(base)} → {_offload_label(other)}")
     toggles = (
         ("fused_loss", "fused loss"),
+        ("fused_kernels", "fused kernels"),
         ("packing", "packing"),
         ("offload_activations", "activation offload"),
         ("optimizer_in_backward", "optimizer in backward"),

@@ -22,18 +22,23 @@ ATTN_IMPL = {Attention.EAGER: "eager", Attention.SDPA: "sdpa", Attention.FLASH2:
 NF4_QUANT_TYPE = "nf4"
 NF4_DOUBLE_QUANT = True
 
-# Liger's kernel switches (``liger_kernel_config``): only the loss is fused, because the
-# memory model assumes the model's own RoPE, norms and MLP. Which families Liger patches
-# at all is ``Family.liger``.
-LIGER_LOSS_ONLY = {
-    "fused_linear_cross_entropy": True,
-    "cross_entropy": False,
-    "rope": False,
-    "rms_norm": False,
-    "layer_norm": False,
-    "swiglu": False,
-    "geglu": False,
-}
+
+# Liger's kernel switches (``liger_kernel_config``, the keyword arguments of
+# ``_apply_liger_kernel_to_instance``): the loss where the plan fuses it, RoPE, RMSNorm and
+# SwiGLU where it fuses the block's kernels (``Family.fused_kernels``; the memory model
+# assumes the model's own ops otherwise). Which families Liger patches at all is ``Family.liger``.
+def liger_config(plan: Plan) -> dict[str, bool]:
+    kernels = plan.fused_kernels
+    return {
+        "fused_linear_cross_entropy": plan.fused_loss,
+        "cross_entropy": False,
+        "rope": kernels,
+        "rms_norm": kernels,
+        "layer_norm": False,
+        "swiglu": kernels,
+        "geglu": False,
+    }
+
 
 # bytes per element, and the short names GPU peak tables and kernel rules use
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -170,6 +170,12 @@ def plan_options(fn: Callable) -> Callable:
         click.option("--packing/--no-packing", default=False, show_default=True),
         click.option("--fused-loss/--no-fused-loss", default=False, show_default=True),
         click.option(
+            "--fused-kernels/--no-fused-kernels",
+            default=False,
+            show_default=True,
+            help="Liger's fused RMSNorm, SwiGLU and RoPE kernels (llama-like blocks: llama, mistral, qwen2, qwen3).",
+        ),
+        click.option(
             "--offload-activations/--no-offload-activations",
             default=False,
             show_default=True,

@@ -113,26 +113,27 @@ def build(spec, plan, device: str, seed: int):
 
 
 def liger(spec, plan, device: str, model) -> bool:
-    """Fuse the loss with Liger's kernel where the exported trainer_args ask for it and it runs
-    (CUDA, liger-kernel installed, a family it patches): the Trainer's own call, on the base model."""
-    from autofit.techniques import LIGER_LOSS_ONLY
+    """Liger's kernels where the exported trainer_args ask for them and they run (CUDA,
+    liger-kernel installed, a family it patches): the Trainer's own call, on the base model."""
+    from autofit.techniques import liger_config
 
-    if not plan.fused_loss or device != "cuda" or not spec.family.liger:
+    if not (plan.fused_loss or plan.fused_kernels) or device != "cuda" or not spec.family.liger:
         return False
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    _apply_liger_kernel_to_instance(model=base, **LIGER_LOSS_ONLY)
+    _apply_liger_kernel_to_instance(model=base, **liger_config(plan))
     return True
 
 
 def _loss_plan(spec, plan, device: str, model):
     """The plan the step runs: with Liger patched in, the model's own forward computes the
-    fused loss (StepRunner's plain path); otherwise runtime's chunked loss stands in."""
+    fused loss and runs the fused kernels (StepRunner's plain path); otherwise runtime's
+    chunked loss and ``evaluators.fused`` stand in."""
     if liger(spec, plan, device, model):
-        return plan.replace(fused_loss=False), "liger"
+        return plan.replace(fused_loss=False, fused_kernels=False), ("liger" if plan.fused_loss else None)
     return plan, ("chunked" if plan.fused_loss else None)
 
 

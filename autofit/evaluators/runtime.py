@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.evaluators import offload
+from autofit.evaluators import fused, offload
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Checkpointing, Method, Optimizer, Plan
@@ -585,6 +585,10 @@ class StepRunner:
         self._hooks = []
         if tracker is not None and not plan.fused_loss:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
+        self._rope = None
+        if plan.fused_kernels:  # the stand-ins for Liger's kernels (evaluators.fused)
+            fused.apply(inner)
+            self._rope = inner
         if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward
@@ -621,6 +625,11 @@ class StepRunner:
     def _kernels(self):
         return self.kernels() if self.kernels is not None else contextlib.nullcontext()
 
+    def fused_rope(self):
+        """Liger's RoPE stand-in for a whole step: forward and backward, where any checkpoint
+        recompute (the model's or FSDP's) must rotate as the forward did."""
+        return fused.rope(self._rope) if self._rope is not None else contextlib.nullcontext()
+
     def _offloading(self):
         return self._offload if self._offload is not None else contextlib.nullcontext()
 
@@ -653,24 +662,25 @@ class StepRunner:
     def step(self, batches: list[dict[str, torch.Tensor]], step: int = 0) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
         losses = []
-        for i, batch in enumerate(batches):
-            micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
-            with micro:
-                with self._phase("forward", step), self._autocast(), self._kernels(), self._offloading():
-                    loss = self.loss(batch) / len(batches)
-                if self.tracker is not None:
-                    self.tracker.region = ""
-                with self._phase("backward", step):
-                    if self.tracker is not None:
-                        self.tracker.region = "logits"
-                    if self._backward is not None:
-                        self._backward(loss)
-                    else:
-                        loss.backward()
+        with self.fused_rope():
+            for i, batch in enumerate(batches):
+                micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
+                with micro:
+                    with self._phase("forward", step), self._autocast(), self._kernels(), self._offloading():
+                        loss = self.loss(batch) / len(batches)
                     if self.tracker is not None:
                         self.tracker.region = ""
-            losses.append(float(loss.detach()) if loss.device.type != "meta" and not _is_fake(loss) else 0.0)
-            del loss
+                    with self._phase("backward", step):
+                        if self.tracker is not None:
+                            self.tracker.region = "logits"
+                        if self._backward is not None:
+                            self._backward(loss)
+                        else:
+                            loss.backward()
+                        if self.tracker is not None:
+                            self.tracker.region = ""
+                losses.append(float(loss.detach()) if loss.device.type != "meta" and not _is_fake(loss) else 0.0)
+                del loss
         if self.tracker is not None:
             self.tracker.mark([p.grad for p in self.model.parameters() if p.grad is not None], "gradients")
         with self._phase("optimizer", step), _real_scalars(self.model):

@@ -70,6 +70,7 @@ class TraceKey:
     fused_loss: bool
     offload_activations: bool
     optimizer_in_backward: bool
+    fused_kernels: bool
     sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
     target: TraceDevice
 
@@ -93,6 +94,7 @@ class TraceKey:
             fused_loss=plan.fused_loss,
             offload_activations=plan.offload_activations,
             optimizer_in_backward=plan.optimizer_in_backward,
+            fused_kernels=plan.fused_kernels,
             sharded_layout=plan.engine != "torch",
             target=target,
         )

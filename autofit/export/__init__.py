@@ -130,6 +130,9 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if args["fused_loss"]["enabled"]:
         fl = args["fused_loss"]
         before.append(f"- Fused loss: {fl['kernel'] or 'no kernel for this model'}; {fl['fallback']}.")
+    if args["fused_kernels"]["enabled"]:
+        fk = args["fused_kernels"]
+        before.append(f"- Fused kernels: {fk['kernels']}; {fk['fallback']}.")
     if args["activation_offloading"]["enabled"]:
         ao = args["activation_offloading"]
         before.append(f"- Activation offloading (no Trainer switch): `{ao['helper']}`; {ao['how']}.")

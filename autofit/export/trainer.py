@@ -16,10 +16,10 @@ from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precis
 from autofit.specs import Target
 from autofit.techniques import (
     ATTN_IMPL,
-    LIGER_LOSS_ONLY,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
     dtype_layout,
+    liger_config,
     lora_kwargs,
 )
 
@@ -80,9 +80,9 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
     if plan.optimizer_in_backward:  # each gradient is stepped and freed inside backward
         ta["max_grad_norm"] = 0.0
     liger = plan.fused_loss and ctx.model.family.liger
-    if liger:
+    if liger or plan.fused_kernels:  # Family.fused_kernels implies Family.liger (plan_problems)
         ta["use_liger_kernel"] = True
-        ta["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
+        ta["liger_kernel_config"] = liger_config(plan)
 
     result: dict[str, Any] = {
         "model": ctx.model.source or ctx.model.name,
@@ -93,6 +93,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         "quantization": None,
         "data": _data(plan, ctx),
         "fused_loss": _fused_loss(plan, liger),
+        "fused_kernels": _fused_kernels(plan),
         "activation_offloading": _activation_offloading(plan),
         "optimizer_in_backward": _optimizer_in_backward(plan),
     }
@@ -175,6 +176,18 @@ def _optimizer_in_backward(plan: Plan) -> dict[str, Any]:
         "max_grad_norm 0: the gradients are gone before clipping could see them",
         "torchtune's optimizer_in_bwd (create_optim_in_bwd_wrapper, register_optim_in_bwd_hooks)",
     )
+
+
+def _fused_kernels(plan: Plan) -> dict[str, Any]:
+    if not plan.fused_kernels:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "kernels": "liger_kernel RMSNorm, SwiGLU and RoPE through use_liger_kernel (pip install liger-kernel; "
+        "Triton on a GPU)",
+        "fallback": "autofit.evaluators.fused.apply(model) (and fused.rope(model) around each forward) "
+        "saves the same tensors with torch ops where Liger cannot run, without its speed",
+    }
 
 
 def _fused_loss(plan: Plan, liger: bool) -> dict[str, Any]:

@@ -266,6 +266,7 @@ def _candidates(
     )
     toggles = (
         ("fused_loss", "fused loss"),
+        ("fused_kernels", "fused kernels"),
         ("offload_activations", "activation offload"),
         ("optimizer_in_backward", "optimizer in backward"),
     )

@@ -264,6 +264,10 @@ class SearchSpace:
         single = self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE and self.per_rank_batch == mb
         if single and precision is not Precision.FP16_MIXED:
             in_bwd = bool(trial.suggest_categorical("optimizer_in_backward", [False, True]))
+        # Liger's kernels (Triton) where the block fits them and the target is a GPU
+        kernels = False
+        if self.ctx.model.family.fused_kernels and self.ctx.cluster.gpu.kind == "cuda":
+            kernels = bool(trial.suggest_categorical("fused_kernels", [False, True]))
         fused = False
         if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
@@ -278,6 +282,7 @@ class SearchSpace:
             offload=offload,
             packing=packing,
             fused_loss=fused,
+            fused_kernels=kernels,
             offload_activations=offload_acts,
             optimizer_in_backward=in_bwd,
             **kw,

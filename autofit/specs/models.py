@@ -112,6 +112,23 @@ class Family:
         return self.keys.get(name, name)
 
     @property
+    def fused_kernels(self) -> bool:
+        """Liger's RMSNorm, SwiGLU and RoPE kernels fit the block (``evaluators.fused``): llama's
+        pre-norm RMSNorm block (weights applied as they are), separate gate and up projections
+        with SiLU, and full rotary embeddings, in a family Liger patches."""
+        return (
+            self.liger
+            and self.norm == "rmsnorm"
+            and self.norm_position == "pre"
+            and not self.norm_scales_in_fp32
+            and self.gated_mlp
+            and self.activation == "silu"
+            and self.mlp_in == ("gate_proj", "up_proj")
+            and self.positions == "rope"
+            and not self.rotary_key
+        )
+
+    @property
     def fused_qkv(self) -> bool:
         """One qkv projection (phi3, gpt2)."""
         return len(self.attn_in) == 1

@@ -281,6 +281,23 @@ def test_a_measured_trial_offloads_activations_and_steps_in_backward(tmp_path):
     assert sim.peak_allocated == pytest.approx(r.memory.peak_allocated, rel=0.02)
 
 
+def test_a_measured_trial_runs_the_fused_kernels_the_simulator_traces(tmp_path):
+    """Off CUDA the child runs ``evaluators.fused`` (Liger's saves, torch ops): with the
+    checkpoint recompute under the same RoPE, the measured peak is the simulated one."""
+    from autofit.evaluators.simulated import SimulatedEvaluator
+
+    plan = Plan(precision="bf16-mixed", micro_batch=4, checkpointing="full", fused_kernels=True)
+    ctx = cpu_ctx()
+    r = MeasuredEvaluator(warmup_steps=2, timed_steps=1, timeout_s=300, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    sim = SimulatedEvaluator().evaluate(plan, ctx).memory
+    assert sim.peak_allocated == pytest.approx(r.memory.peak_allocated, rel=0.02)
+    plain = MeasuredEvaluator(warmup_steps=2, timed_steps=1, timeout_s=300, env=ENV, work_dir=tmp_path).evaluate(
+        plan.replace(fused_kernels=False), ctx
+    )
+    assert r.memory.activations < plain.memory.activations
+
+
 def test_measured_results_are_stored_with_device_and_budget(single_runs, store):
     runs = single_runs
     study = store.create_study(cpu_ctx(), evaluator="measured")

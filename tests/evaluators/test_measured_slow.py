@@ -53,7 +53,10 @@ def session_members(sid: int) -> list[int]:
 
 TWO_RANK = {
     "ddp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2),
-    "fsdp": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full"),
+    # with fused kernels: FSDP's own checkpoint recompute must rotate as the forward did
+    "fsdp": Plan(
+        precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full", fused_kernels=True
+    ),
     "zero2": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2"),
     "zero3": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero3"),
 }

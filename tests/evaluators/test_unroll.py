@@ -23,7 +23,7 @@ from autofit.evaluators import simulated, unroll
 from autofit.evaluators.simulated import TraceDevice, anatomy, run_trace
 from autofit.evaluators.unroll import canonical
 from autofit.plan import Plan
-from autofit.specs import LengthDistribution, Target, Workload
+from autofit.specs import MODELS, LengthDistribution, Target, Workload
 from autofit.specs.cluster import parse_cluster
 from tests.conftest import tiny
 
@@ -46,6 +46,9 @@ ZERO3 = dict(
 PACKED = dict(precision="bf16-true", attention="flash2", packing=True, micro_batch=2, grad_accum=1)
 OFFLOAD = dict(precision="bf16-mixed", attention="sdpa", offload_activations=True, micro_batch=1, grad_accum=2)
 IN_BWD = dict(precision="bf16-true", attention="sdpa", checkpointing="full", optimizer_in_backward=True, micro_batch=2)
+FUSED = dict(
+    precision="bf16-mixed", attention="sdpa", fused_kernels=True, checkpointing="full", micro_batch=1, grad_accum=2
+)
 PLANS = {
     "full": FULL,
     "eager-8bit": EAGER_8BIT,
@@ -55,6 +58,7 @@ PLANS = {
     "packed": PACKED,
     "offload": OFFLOAD,
     "in-bwd": IN_BWD,
+    "fused": FUSED,
 }
 
 # one model per family of the registry; gemma-2's layers alternate (period 2)
@@ -92,8 +96,12 @@ FAST = [
     ("mistral-7b", "offload"),
     ("gpt2", "offload"),
     ("llama-3.2-1b", "in-bwd"),
+    ("qwen3-8b", "fused"),
 ]
-SLOW = [(f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST]
+# every family and plan, but fused kernels only where they fit the block (Family.fused_kernels)
+SLOW = [
+    (f, p) for f in FAMILIES for p in PLANS if (f, p) not in FAST and (p != "fused" or MODELS[f].family.fused_kernels)
+]
 LENGTHS = LengthDistribution(((24, 3), (70, 5), (128, 2)))
 
 

@@ -41,7 +41,7 @@ def target(name: str) -> Target:
 
 def sweep(ctx: Target) -> Iterator[Plan]:
     """Every valid combination of method, precision, optimizer, sharding and offload on ``ctx``;
-    the secondary knobs (micro-batch, attention, checkpointing, packing, fused loss) rotate."""
+    the secondary knobs (micro-batch, attention, checkpointing, packing, fused loss and kernels) rotate."""
     world = ctx.cluster.world_size
     impls = ctx.model.family.attn_impls
     combos = itertools.product(Method, Precision, Optimizer, Sharding, Offload, OffloadDevice)
@@ -65,6 +65,7 @@ def sweep(ctx: Target) -> Iterator[Plan]:
             offload_device=device,
             packing=attention is Attention.FLASH2 and i % 4 == 1,
             fused_loss=i % 5 == 0,
+            fused_kernels=i % 3 == 1 and ctx.model.family.fused_kernels,
         )
         if not plan_problems(plan, ctx.model, ctx.cluster, ctx.workload):
             yield plan

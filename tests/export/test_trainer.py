@@ -84,9 +84,14 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     else:
         assert args["quantization"] is None
 
-    liger = plan.fused_loss and ctx.model.family.liger
+    liger = (plan.fused_loss and ctx.model.family.liger) or plan.fused_kernels
     assert targs.use_liger_kernel is liger
+    if liger:  # the switches the Trainer hands to _apply_liger_kernel_to_instance
+        cfg = targs.liger_kernel_config
+        assert cfg["fused_linear_cross_entropy"] is plan.fused_loss
+        assert cfg["rope"] is cfg["rms_norm"] is cfg["swiglu"] is plan.fused_kernels
     assert args["fused_loss"]["enabled"] is plan.fused_loss
+    assert args["fused_kernels"]["enabled"] is plan.fused_kernels
     assert args["activation_offloading"]["enabled"] is plan.offload_activations
     assert args["optimizer_in_backward"]["enabled"] is plan.optimizer_in_backward
     if plan.optimizer_in_backward:
