@@ -23,8 +23,9 @@ moving the bytes the Triton kernel moves, and the tracker sees the tensors it al
 :func:`apply` patches a model the way ``_apply_liger_kernel_to_instance`` does (the
 Trainer's ``use_liger_kernel``): the forward of every decoder layer's two norms, of the
 final norm and of every MLP. RoPE is the modeling module's ``apply_rotary_pos_emb``, which
-Liger replaces process-wide; :func:`rope` replaces it only while a forward runs, because
-the simulator traces plans with and without it in one process. Qwen3's per-head q/k norms
+Liger replaces process-wide; :func:`rope` replaces it only inside (``StepRunner`` enters it
+for a whole step, so a checkpoint's recompute rotates as its forward did), because the
+simulator traces plans with and without it in one process. Qwen3's per-head q/k norms
 stay transformers' own (Liger's instance patch leaves them).
 
 Imports torch at module level; nothing from autofit.

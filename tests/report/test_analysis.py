@@ -112,6 +112,7 @@ def test_each_toggle_is_one_technique_evaluated_analytically(tight_study):
     may_change = {
         "checkpointing": {"checkpointing"},
         "fused loss": {"fused_loss"},
+        "fused kernels": {"fused_kernels"},
         "attention": {"attention"},
         "sharding": {"sharding", "offload"},
         "offload": {"offload", "sharding"},
