@@ -308,6 +308,25 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             f"{plan.sharding.value} on a single GPU divides nothing; use sharding none, "
             "or add offload (zero2/zero3/fsdp with offload fits bigger models on one GPU)"
         )
+    p += _offload_problems(plan)
+    if plan.optimizer_in_backward:
+        p += _in_backward_problems(plan, world)
+    if plan.fused_kernels and not model.family.fused_kernels:
+        p.append(
+            f"fused kernels (Liger's RMSNorm, SwiGLU and RoPE) replace a llama-like block; {model.model_type} "
+            "models have another: drop --fused-kernels (--fused-loss fuses the loss alone)"
+        )
+    if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
+        p.append(
+            f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
+            "use adamw, or sharding zero1/zero2"
+        )
+    return p
+
+
+def _offload_problems(plan: Plan) -> list[str]:
+    """Where the plan's offload cannot go: the engines and optimizers that can offload."""
+    p: list[str] = []
     if plan.offload is not Offload.NONE:
         if plan.sharding not in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP):
             p.append("offload needs sharding zero2, zero3 or fsdp")
@@ -325,18 +344,6 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             )
     elif plan.offload_device is not OffloadDevice.CPU:
         p.append("--offload-device applies only with an offload; drop it")
-    if plan.optimizer_in_backward:
-        p += _in_backward_problems(plan, world)
-    if plan.fused_kernels and not model.family.fused_kernels:
-        p.append(
-            f"fused kernels (Liger's RMSNorm, SwiGLU and RoPE) replace a llama-like block; {model.model_type} "
-            "models have another: drop --fused-kernels (--fused-loss fuses the loss alone)"
-        )
-    if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
-        p.append(
-            f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
-            "use adamw, or sharding zero1/zero2"
-        )
     return p
 
 
