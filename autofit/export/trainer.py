@@ -185,7 +185,7 @@ def _fused_kernels(plan: Plan) -> dict[str, Any]:
         "enabled": True,
         "kernels": "liger_kernel RMSNorm, SwiGLU and RoPE through use_liger_kernel (pip install liger-kernel; "
         "Triton on a GPU)",
-        "fallback": "autofit.evaluators.fused.apply(model) (and fused.rope(model) around each forward) "
+        "fallback": "autofit.evaluators.fused.apply(model) (and fused.rope(model) around each training step) "
         "saves the same tensors with torch ops where Liger cannot run, without its speed",
     }
 

@@ -27,11 +27,12 @@ def test_fixed_trial_gives_the_plan():
                 "offload_activations": True,
                 "attention": "flash2",
                 "fused_loss": True,
+                "fused_kernels": True,
             }
         )
     )
     assert plan.method is Method.QLORA and plan.micro_batch == 4 and plan.grad_accum == 2
-    assert plan.sharding is Sharding.ZERO2 and plan.fused_loss and plan.offload_activations
+    assert plan.sharding is Sharding.ZERO2 and plan.fused_loss and plan.offload_activations and plan.fused_kernels
 
 
 @pytest.mark.parametrize(
