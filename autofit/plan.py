@@ -65,6 +65,12 @@ class Optimizer(_Choice):
 class Checkpointing(_Choice):
     NONE = "none"
     FULL = "full"  # every block recomputed in backward; only block inputs are kept
+    # every k-th block (``Plan.checkpoint_every``) recomputed, the others keep their saves
+    # (torchtitan's layer-selective activation checkpointing, ``selective_ac_option = k``)
+    SELECTIVE = "selective"
+
+
+DEFAULT_CHECKPOINT_EVERY = 2  # selective checkpointing's default: every second block
 
 
 class Attention(_Choice):
@@ -121,6 +127,8 @@ class Plan:
     micro_batch: int = 1
     grad_accum: int = 1
     checkpointing: Checkpointing = Checkpointing.NONE
+    # selective checkpointing's period: blocks k-1, 2k-1, ... are checkpointed (techniques.checkpointed_layers)
+    checkpoint_every: int | None = None
     attention: Attention = Attention.SDPA
     sharding: Sharding = Sharding.NONE
     offload: Offload = Offload.NONE
@@ -151,6 +159,9 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+        k = self.checkpoint_every
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 2):
+            problems.append(f"checkpoint_every must be an integer of at least 2, got {k!r}")
         if self.lora_rank is not None and (
             not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 1
         ):
@@ -215,8 +226,10 @@ class Plan:
         if self.lora_dropout:
             parts[-1] += f" dropout {self.lora_dropout:g}"
         parts += [self.precision.value, self.optimizer.value, f"mb{self.micro_batch}×ga{self.grad_accum}"]
-        if self.checkpointing is not Checkpointing.NONE:
+        if self.checkpointing is Checkpointing.FULL:
             parts.append("ckpt")
+        elif self.checkpointing is Checkpointing.SELECTIVE:
+            parts.append(f"ckpt 1/{self.checkpoint_every}")
         parts.append(self.attention.value)
         if self.sharding is not Sharding.NONE:
             shard = self.sharding.value
@@ -239,6 +252,7 @@ class Plan:
 # fields added after plans were first stored: left out of the canonical form (and so of
 # ``plan_id``) while they hold their default
 _LATER_FIELDS = {
+    "checkpoint_every": None,
     "lora_dropout": 0.0,
     "offload_activations": False,
     "optimizer_in_backward": False,
@@ -311,6 +325,7 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
     p += _offload_problems(plan)
     if plan.optimizer_in_backward:
         p += _in_backward_problems(plan, world)
+    p += _checkpointing_problems(plan, model)
     if plan.fused_kernels and not model.family.fused_kernels:
         p.append(
             f"fused kernels (Liger's RMSNorm, SwiGLU and RoPE) replace a llama-like block; {model.model_type} "
@@ -320,6 +335,26 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         p.append(
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
             "use adamw, or sharding zero1/zero2"
+        )
+    return p
+
+
+def _checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Selective checkpointing needs its period, and an engine that lets the model choose its layers."""
+    k = plan.checkpoint_every
+    if plan.checkpointing is not Checkpointing.SELECTIVE:
+        return ["--checkpoint-every applies only to --checkpointing selective; drop it"] if k is not None else []
+    p = []
+    if k is None:
+        p.append("--checkpointing selective needs --checkpoint-every K (2: every second block)")
+    elif k > model.num_layers:
+        p.append(
+            f"--checkpoint-every {k} is more than {model.name}'s {model.num_layers} blocks: no block is checkpointed"
+        )
+    if plan.sharding is Sharding.FSDP:
+        p.append(
+            "FSDP checkpoints every wrapped block itself (accelerate's fsdp_activation_checkpointing): "
+            "use --checkpointing full with fsdp, or zero3 for selective checkpointing"
         )
     return p
 
@@ -449,7 +484,9 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
     out: list[str] = []
     if (base.method, base.lora_rank) != (other.method, other.lora_rank):
         out.append(f"method {_method_label(base)} → {_method_label(other)}")
-    for name in ("lora_targets", "lora_dropout", "precision", "optimizer", "checkpointing", "attention", "sharding"):
+    if (base.checkpointing, base.checkpoint_every) != (other.checkpointing, other.checkpoint_every):
+        out.append(f"checkpointing {_checkpointing_label(base)} → {_checkpointing_label(other)}")
+    for name in ("lora_targets", "lora_dropout", "precision", "optimizer", "attention", "sharding"):
         a, b = getattr(base, name), getattr(other, name)
         if a != b and not (name.startswith("lora_") and not (base.is_peft and other.is_peft)):
             out.append(f"{name.replace('_', ' ')} {_plain(a)} → {_plain(b)}")
@@ -469,6 +506,11 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
     if (base.micro_batch, base.grad_accum) != (other.micro_batch, other.grad_accum):
         out.append(f"mb{base.micro_batch}×ga{base.grad_accum} → mb{other.micro_batch}×ga{other.grad_accum}")
     return tuple(out)
+
+
+def _checkpointing_label(plan: Plan) -> str:
+    every = f" (every {plan.checkpoint_every})" if plan.checkpointing is Checkpointing.SELECTIVE else ""
+    return plan.checkpointing.value + every
 
 
 def _method_label(plan: Plan) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.plan import Attention, Method, Plan, Precision
+from autofit.plan import Attention, Checkpointing, Method, Plan, Precision
 from autofit.specs import ModelSpec
 
 # transformers' ``attn_implementation`` for each attention kernel
@@ -38,6 +38,17 @@ def liger_config(plan: Plan) -> dict[str, bool]:
         "swiglu": kernels,
         "geglu": False,
     }
+
+
+def checkpointed_layers(plan: Plan, num_layers: int) -> tuple[bool, ...]:
+    """Which decoder layers activation checkpointing recomputes: all (full), none, or every
+    ``checkpoint_every``-th counting from one (torchtitan's layer-selective rule in
+    ``torchtitan/distributed/activation_checkpoint.py``: layers k-1, 2k-1, ...)."""
+    if plan.checkpointing is Checkpointing.FULL:
+        return (True,) * num_layers
+    if plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_every:
+        return tuple((i + 1) % plan.checkpoint_every == 0 for i in range(num_layers))
+    return (False,) * num_layers
 
 
 # bytes per element, and the short names GPU peak tables and kernel rules use

@@ -159,6 +159,14 @@ def plan_options(fn: Callable) -> Callable:
         ),
         click.option("--checkpointing", type=_choice(Checkpointing), default="none", show_default=True),
         click.option(
+            "--checkpoint-every",
+            type=click.IntRange(min=2),
+            default=None,
+            metavar="K",
+            help="With --checkpointing selective: checkpoint every K-th block (blocks K, 2K, ... counted from 1; "
+            "torchtitan's selective_ac_option). Default: 2.",
+        ),
+        click.option(
             "--attention",
             type=_choice(Attention),
             default=None,

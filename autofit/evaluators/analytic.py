@@ -34,7 +34,7 @@ from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
-from autofit.techniques import dtype_layout
+from autofit.techniques import checkpointed_layers, dtype_layout
 
 
 @dataclass(frozen=True)
@@ -568,6 +568,9 @@ class _Activations:
     head: float  # saved outside the blocks
     rope: float  # RoPE's cos and sin
     recompute: float  # one block's activations while checkpointing recomputes it
+    # the saves of the unchecked blocks after the last checkpointed one (selective), freed
+    # before its recompute; 0 where the last block is checkpointed (full) or none is
+    trailing: float
     offloaded: float  # what an activation offload keeps in host memory (plan.offload_activations)
     logits_fwd: float
     logits_bwd: float
@@ -586,14 +589,14 @@ def _activations(
     # RoPE's cos and sin, [1, positions, rotary dims] each, shared by all blocks
     rope = 2 * (t_mem if plan.packing else s) * model.rotary_dim * lay.base_bytes
     head = t_mem * _head_activations(model, plan, ctx.cluster.gpu.kind == "cpu")
-    if plan.checkpointing is Checkpointing.FULL:
-        saved_blocks = L * t_mem * lay.base_bytes * model.hidden_size  # each block's input
-        recompute = block_bytes  # one block's activations while it runs backward
-    else:
-        saved_blocks = L * block_bytes
-        if plan.is_peft:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
-            saved_blocks -= t_mem * blk.first_norm
-        recompute = 0.0
+    flags = checkpointed_layers(plan, L)
+    n_ckpt = sum(flags)
+    # a checkpointed block keeps its input, the others their saves
+    saved_blocks = n_ckpt * t_mem * lay.base_bytes * model.hidden_size + (L - n_ckpt) * block_bytes
+    if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
+        saved_blocks -= t_mem * blk.first_norm
+    recompute = block_bytes if n_ckpt else 0.0  # one block's activations while it runs backward
+    trailing = (L - 1 - max(i for i, f in enumerate(flags) if f)) * block_bytes if n_ckpt else 0.0
     offloaded = 0.0
     if plan.offload_activations:
         # every block's saves go to the host (evaluators.offload) and come back node by node
@@ -604,7 +607,7 @@ def _activations(
     bwd_temp = t_mem * blk.bwd_tok
     attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
     fwd_temp = t_mem * s * blk.fwd_quad
-    if plan.checkpointing is Checkpointing.FULL:
+    if flags[-1]:
         # a checkpointed forward saves nothing: what the attention half would save is transient
         fwd_temp += block_bytes - t_mem * blk.mlp_tok
     if plan.method is Method.QLORA:  # one Linear dequantized to the compute dtype at a time
@@ -621,6 +624,7 @@ def _activations(
         head=head,
         rope=rope,
         recompute=recompute,
+        trailing=trailing,
         offloaded=offloaded,
         logits_fwd=logits_fwd,
         logits_bwd=logits_bwd,
@@ -649,6 +653,9 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     lay = dtype_layout(plan)
     L, c = model.num_layers, lay.compute_bytes
     ckpt = plan.checkpointing is Checkpointing.FULL
+    # blocks whose matmuls keep autocast's copies: the unchecked ones and the one recomputed
+    n_ckpt = sum(checkpointed_layers(plan, L))
+    kept = L - n_ckpt + (1 if n_ckpt else 0)
     sb = costs.state_bytes(model, plan)
     # one block's weights as ZeRO-3/FSDP gather them: in the compute dtype (NF4 stays packed)
     layer_weights = model.layer_params() * c
@@ -665,14 +672,10 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     autocast_copies = 0.0
     if lay.autocasts and plan.method is Method.FULL:
         head_copy = model.vocab_size * model.hidden_size
-        if ckpt:  # only the recomputed block's copies live on
-            autocast_copies = 2 * (model.linear_params() / L + head_copy)
-        else:
-            autocast_copies = 2 * (model.linear_params() + head_copy)
+        # (full checkpointing: only the recomputed block's copies live on)
+        autocast_copies = 2 * (model.linear_params() * kept / L + head_copy)
     elif lay.autocasts:  # the fp32 LoRA adapters
-        autocast_copies = 2 * sb.trainable_weights / sb.param_elem_bytes
-        if ckpt:
-            autocast_copies /= L
+        autocast_copies = 2 * sb.trainable_weights / sb.param_elem_bytes * kept / L
     # gradients alive while the last block runs backward: the accumulated ones, or (first
     # micro-batch) the output head's, sharded where the engine shards gradients
     head_grads = model.vocab_size * model.hidden_size * sb.grad_elem_bytes if plan.method is Method.FULL else 0
@@ -693,7 +696,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         layer_trainable=layer_trainable,
         autocast_copies=autocast_copies,
         # by the first block's backward the other blocks' copies are freed with their saved tensors
-        first_block_copies=autocast_copies if ckpt else autocast_copies / L,
+        first_block_copies=autocast_copies if ckpt else autocast_copies / kept,
         early_grads=early_grads,
         block_tail_grads=block_tail_grads,
         tied_grad=early_grads if model.tie_word_embeddings else 0.0,
@@ -707,7 +710,8 @@ def _moments(
     st = ms.st
     states = {"weights": st.weights + ms.autocast_copies, "optimizer": st.optimizer}
     persistent_tmp = st.comm_buffers + st.gather_peak + act.mask
-    in_blocks = act.saved - act.head + act.recompute  # the head's saves are freed by then
+    # the head's saves are freed by then; the last block is recomputed when it is checkpointed
+    in_blocks = act.saved - act.head + (act.recompute if not act.trailing else 0.0)
     bwd_states = states
     if plan.offload_activations:  # autocast's copies leave with its cache; those saved are offloaded
         bwd_states = {**states, "weights": st.weights + ms.first_block_copies}
@@ -716,8 +720,9 @@ def _moments(
         **_backward_moments(model, plan, act, ms, blk, t_mem, s, bwd_states, persistent_tmp, in_blocks),
         **_step_end_moments(ms, persistent_tmp),
     }
-    if plan.checkpointing is Checkpointing.FULL:
-        moments.update(_recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks))
+    if act.recompute:
+        recomputed = act.saved - act.head - act.trailing + act.recompute
+        moments.update(_recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, recomputed))
     if plan.optimizer_in_backward:  # each gradient is freed by its own step (runtime.BackwardOptimizer)
         largest = _largest_grad(model, plan, ms.sb)
         for m in moments.values():
@@ -739,7 +744,7 @@ def _largest_grad(model: ModelSpec, plan: Plan, sb: costs.StateBytes) -> float:
 def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, dict[str, float]]:
     st = ms.st
     in_forward = act.saved - act.head
-    mlp_half = 0.0 if act.recompute else t_mem * blk.mlp_tok
+    mlp_half = 0.0 if act.recompute and not act.trailing else t_mem * blk.mlp_tok  # the last block checkpointed
     fwd_acts, fwd_tmp = max(
         (in_forward - mlp_half, act.fwd_temp), (in_forward, t_mem * blk.mlp_fwd_tok), key=lambda m: m[0] + m[1]
     )
@@ -847,15 +852,21 @@ def _step_end_moments(ms, persistent_tmp) -> dict[str, dict[str, float]]:
 
 def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks) -> dict[str, dict[str, float]]:
     """A block being recomputed in backward, in the middle of its MLP: what it saves so far
-    plus the MLP's forward transients (counted as activations: they are recomputed)."""
+    plus the MLP's forward transients (counted as activations: they are recomputed); the last
+    checkpointed block's (``in_blocks``: what is saved then), and with full checkpointing the first's."""
     mlp_fwd = t_mem * blk.mlp_fwd_tok
     incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
-    return {
+    last = {
         "block-recompute": {
             **moments["block-backward"],
             "activations": in_blocks + mlp_fwd,
             "temporary": persistent_tmp + incoming,
-        },
+        }
+    }
+    if plan.checkpointing is not Checkpointing.FULL:  # selective: block 0 is not checkpointed
+        return last
+    return {
+        **last,
         "first-block-recompute": {
             **moments["first-block-backward"],
             "activations": moments["first-block-backward"]["activations"] + mlp_fwd,
@@ -953,7 +964,7 @@ def step_work(
     L = model.num_layers
     cb = lay.compute_bytes
     T = tokens
-    ckpt = plan.checkpointing is Checkpointing.FULL
+    rc = sum(checkpointed_layers(plan, L)) / L  # the share of blocks recomputed in backward
     full = plan.method is Method.FULL
     block, head, adapters = _gemms(model, plan, T, cb)
     n_adapted = len(adapters) // 2
@@ -985,14 +996,15 @@ def step_work(
         kernels=L * k_fwd + KERNELS_HEAD,
     )
     weight_grads = (*block, *head) if full else ()
+    recomputed = tuple((f, b, d, n * rc) for f, b, d, n in (*block, *adapters)) if rc else ()
     backward = timing.PhaseWork(
-        gemms=(*block, *head, *weight_grads, *adapters, *adapters, *((*block, *adapters) if ckpt else ())),
-        attention=attn_bwd + (attn_fwd if ckpt else 0.0),
-        memory_bytes=max(0.0, (2.5 + (1.5 if ckpt else 0.0)) * elementwise - (2.5 + (1.0 if ckpt else 0.0)) * fused_fwd)
+        gemms=(*block, *head, *weight_grads, *adapters, *adapters, *recomputed),
+        attention=attn_bwd + attn_fwd * rc,
+        memory_bytes=max(0.0, (2.5 + 1.5 * rc) * elementwise - (2.5 + 1.0 * rc) * fused_fwd)
         + logits / 2
-        + dequant * (2 if ckpt else 1)
-        + (casts if ckpt else 0.0),
-        kernels=L * (k_bwd + (k_fwd if ckpt else 0)) + KERNELS_HEAD,
+        + dequant * (1 + rc)
+        + casts * rc,
+        kernels=L * (k_bwd + k_fwd * rc) + KERNELS_HEAD,
     )
     dp = cluster.world_size
     sharded = plan.zero_stage >= 1 or plan.engine == "fsdp"
@@ -1003,8 +1015,7 @@ def step_work(
         kernels=0 if plan.offload is not Offload.NONE else _optimizer_kernels(plan, tensors),
     )
     model_flops = forward.gemm_flops + attn_fwd + backward.gemm_flops + attn_bwd
-    if ckpt:
-        model_flops -= sum(f * n for f, _, _, n in (*block, *adapters)) + attn_fwd
+    model_flops -= rc * (sum(f * n for f, _, _, n in (*block, *adapters)) + attn_fwd)
     return timing.StepWork(
         dtype=costs.compute_dtype(plan),
         attention_kernel=attention_kernel(model, plan, workload, cluster),

@@ -33,6 +33,7 @@ from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names
     ATTN_IMPL,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
+    checkpointed_layers,
     dtype_layout,
     lora_kwargs,
     lora_target_names,
@@ -111,13 +112,25 @@ def build_model(
     return _apply_plan(model, spec, plan)
 
 
-def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """Activation checkpointing through the model's own API (renamed in transformers 5)."""
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], plan: Plan | None = None) -> None:
+    """Activation checkpointing through the model's own API (renamed in transformers 5); with
+    ``plan`` selective, only its layers (``techniques.checkpointed_layers``) keep it on.
+
+    transformers checkpoints each ``GradientCheckpointingLayer`` whose ``gradient_checkpointing``
+    flag is set (``modeling_layers.py``); enabling sets every decoder layer's, so the others
+    are switched off again here, in layer order.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if plan is not None and plan.checkpointing is Checkpointing.SELECTIVE:
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer, on in zip(layers, checkpointed_layers(plan, len(layers)), strict=True):
+            layer.gradient_checkpointing = on
 
 
 def quantize_linears(
@@ -282,8 +295,8 @@ def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn
         for _, p in model.named_parameters():
             if p.requires_grad:
                 p.data = p.data.to(lay.adapter_dtype)
-    if plan.checkpointing is Checkpointing.FULL:
-        enable_checkpointing(model, {"use_reentrant": False})
+    if plan.checkpointing is not Checkpointing.NONE:
+        enable_checkpointing(model, {"use_reentrant": False}, plan)
     model.train()
     return model
 
@@ -592,7 +605,7 @@ class StepRunner:
         if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward
-            enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts})
+            enable_checkpointing(unwrap(model), {"use_reentrant": False, "context_fn": self._checkpoint_contexts}, plan)
         if tracker is not None and isinstance(optimizer, BackwardOptimizer):
             optimizer.on_grad = lambda p: tracker.mark([p.grad], "gradients")
         self._offload = None

@@ -27,7 +27,7 @@ from autofit.evaluators import costs, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.evaluators.unroll import Depth
-from autofit.plan import Attention, Offload, Plan
+from autofit.plan import Attention, Checkpointing, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
@@ -65,6 +65,7 @@ class TraceKey:
     micro_batch: int
     micro_batches: int  # min(grad_accum, 2): a second micro-batch runs with gradients present
     checkpointing: str
+    checkpoint_every: int | None
     attention: str
     packing: bool
     fused_loss: bool
@@ -89,6 +90,7 @@ class TraceKey:
             micro_batch=plan.micro_batch,
             micro_batches=min(plan.grad_accum, 2),
             checkpointing=plan.checkpointing.value,
+            checkpoint_every=plan.checkpoint_every,
             attention=plan.attention.value,
             packing=plan.packing,
             fused_loss=plan.fused_loss,
@@ -662,11 +664,13 @@ def _attn_flop_scale(rows: list[list[int] | None]) -> float:
 ALL_LAYERS_ENV = "AUTOFIT_TRACE_ALL_LAYERS"  # set to 1: trace every layer (no unroll), to compare
 
 
-def trace_depth(model: ModelSpec) -> Depth | None:
-    """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer)."""
+def trace_depth(model: ModelSpec, plan: Plan | None = None) -> Depth | None:
+    """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer).
+    Selective checkpointing repeats every ``checkpoint_every`` layers: the period covers it."""
     if os.environ.get(ALL_LAYERS_ENV, "") not in ("", "0"):
         return None
-    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None))
+    every = plan.checkpoint_every if plan is not None and plan.checkpointing is Checkpointing.SELECTIVE else 1
+    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None), every or 1)
 
 
 def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, unrolled: bool = True) -> Trace:
@@ -677,7 +681,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
     (:mod:`autofit.evaluators.unroll`); where they do not repeat as the unroll needs, every
     layer is traced instead.
     """
-    depth = trace_depth(model) if unrolled else None
+    depth = trace_depth(model, plan) if unrolled else None
     if depth is not None:
         try:
             return _run_trace(model, plan, workload, target, depth)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +90,10 @@ def layer_period(layer_types: Sequence[str] | None) -> int:
     return 1
 
 
-def depth_for(num_layers: int, layer_types: Sequence[str] | None) -> Depth | None:
-    """The unroll of a model, or None where tracing all its layers is as cheap or it does not repeat."""
-    p = layer_period(layer_types)
+def depth_for(num_layers: int, layer_types: Sequence[str] | None, every: int = 1) -> Depth | None:
+    """The unroll of a model, or None where tracing all its layers is as cheap or it does not repeat.
+    ``every``: a per-layer pattern the step adds (selective checkpointing's period)."""
+    p = math.lcm(layer_period(layer_types), every)
     if num_layers % p or num_layers <= 3 * p:
         return None
     return Depth(num_layers, p)

@@ -133,6 +133,9 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if args["fused_kernels"]["enabled"]:
         fk = args["fused_kernels"]
         before.append(f"- Fused kernels: {fk['kernels']}; {fk['fallback']}.")
+    if args["selective_checkpointing"]["enabled"]:
+        sc = args["selective_checkpointing"]
+        before.append(f"- Selective checkpointing (no Trainer switch), one block in {sc['every']}: {sc['how']}.")
     if args["activation_offloading"]["enabled"]:
         ao = args["activation_offloading"]
         before.append(f"- Activation offloading (no Trainer switch): `{ao['helper']}`; {ao['how']}.")

@@ -18,6 +18,7 @@ from autofit.techniques import (
     ATTN_IMPL,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
+    checkpointed_layers,
     dtype_layout,
     liger_config,
     lora_kwargs,
@@ -94,6 +95,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         "data": _data(plan, ctx),
         "fused_loss": _fused_loss(plan, liger),
         "fused_kernels": _fused_kernels(plan),
+        "selective_checkpointing": _selective_checkpointing(plan, ctx),
         "activation_offloading": _activation_offloading(plan),
         "optimizer_in_backward": _optimizer_in_backward(plan),
     }
@@ -153,6 +155,26 @@ def _no_switch(enabled: bool, helper: str, how: str, library: str) -> dict[str, 
     """A technique Trainer and accelerate have no switch for: the autofit helper the measured
     runs use, and the lines a Trainer script needs."""
     return {"enabled": True, "helper": helper, "how": how, "library": library} if enabled else {"enabled": False}
+
+
+def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
+    """Every k-th block checkpointed: TrainingArguments' gradient_checkpointing would switch
+    every block on in ``Trainer.train``, so it stays off and the script sets the blocks'
+    ``GradientCheckpointingLayer.gradient_checkpointing`` flags itself."""
+    if plan.checkpointing is not Checkpointing.SELECTIVE:
+        return {"enabled": False}
+    k = plan.checkpoint_every
+    return {
+        "enabled": True,
+        "every": k,
+        "layers": [i for i, on in enumerate(checkpointed_layers(plan, ctx.model.num_layers)) if on],
+        "helper": "autofit.evaluators.runtime.enable_checkpointing",
+        "how": "before building the Trainer: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        '{"use_reentrant": False})`, then `for i, layer in enumerate(model.model.layers): '
+        f"layer.gradient_checkpointing = (i + 1) % {k} == 0` (keep gradient_checkpointing off in "
+        "TrainingArguments: Trainer.train would switch every block on)",
+        "library": f"torchtitan's layer-selective activation checkpointing (selective_ac_option = {k})",
+    }
 
 
 def _activation_offloading(plan: Plan) -> dict[str, Any]:

@@ -16,7 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision, Sharding, plan_problems
+from autofit.plan import (
+    DEFAULT_CHECKPOINT_EVERY,
+    Attention,
+    Checkpointing,
+    Method,
+    Offload,
+    Optimizer,
+    Plan,
+    Precision,
+    Sharding,
+    plan_changes,
+    plan_problems,
+)
 
 # the answer's rule and the evaluators' fidelity live with the results (one home for every command)
 from autofit.results import (  # noqa: F401  (re-exported)
@@ -257,13 +269,11 @@ def _candidates(
 ) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
     """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
     invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
-    other_ckpt = Checkpointing.FULL if plan.checkpointing is Checkpointing.NONE else Checkpointing.NONE
-    yield (
-        "checkpointing",
-        f"checkpointing {plan.checkpointing.value} → {other_ckpt.value}",
-        plan.replace(checkpointing=other_ckpt),
-        [],
-    )
+    for ckpt in Checkpointing:
+        if ckpt is not plan.checkpointing:
+            every = DEFAULT_CHECKPOINT_EVERY if ckpt is Checkpointing.SELECTIVE else None
+            changed = plan.replace(checkpointing=ckpt, checkpoint_every=every)
+            yield "checkpointing", plan_changes(plan, changed)[0], changed, []
     toggles = (
         ("fused_loss", "fused loss"),
         ("fused_kernels", "fused kernels"),

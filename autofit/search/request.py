@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.errors import PlanError, SpecError
-from autofit.plan import Plan, Precision
+from autofit.plan import DEFAULT_CHECKPOINT_EVERY, Plan, Precision
 from autofit.specs import ClusterSpec, ModelSpec, Target, Workload, load_lengths, parse_cluster, resolve_model
 from autofit.specs.units import parse_size
 
@@ -138,6 +138,8 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
     opts.setdefault("attention", "sdpa" if "sdpa" in ctx.model.family.attn_impls else "eager")
     if opts.get("method", "full") in ("lora", "qlora"):
         opts.setdefault("lora_rank", DEFAULT_LORA_RANK)
+    if str(opts.get("checkpointing", "")) == "selective":
+        opts.setdefault("checkpoint_every", DEFAULT_CHECKPOINT_EVERY)
     mb = opts.get("micro_batch", 1)
     if "grad_accum" not in opts:
         per_step = mb * ctx.cluster.world_size

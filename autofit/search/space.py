@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from autofit.errors import SpecError
 from autofit.plan import (
+    DEFAULT_CHECKPOINT_EVERY,
     Attention,
     Checkpointing,
     LoraTargets,
@@ -243,7 +244,14 @@ class SearchSpace:
         elif offloads:
             offload = offloads[0]
         mb = int(trial.suggest_categorical("micro_batch", self.micro_batches()))
-        ckpt = Checkpointing(trial.suggest_categorical("checkpointing", [c.value for c in Checkpointing]))
+        # selective (every second block) between none and full, except where FSDP checkpoints
+        # every block itself (plan._checkpointing_problems). "checkpointing" keeps the choices
+        # studies stored before selective existed (Optuna refuses a categorical's new choices)
+        if sharding is Sharding.FSDP:
+            ckpt = Checkpointing(trial.suggest_categorical("checkpointing", ["none", "full"]))
+        else:
+            ckpt = Checkpointing(trial.suggest_categorical("checkpointing_policy", [c.value for c in Checkpointing]))
+        every = DEFAULT_CHECKPOINT_EVERY if ckpt is Checkpointing.SELECTIVE else None
         attention = Attention(
             trial.suggest_categorical(
                 "attention" if precision is not Precision.FP32 else "attention_fp32",
@@ -253,6 +261,24 @@ class SearchSpace:
         packing = False
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
+        switches = self._switches(trial, precision, sharding, mb, ckpt)
+        return Plan(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=mb,
+            grad_accum=self.per_rank_batch // mb,
+            checkpointing=ckpt,
+            checkpoint_every=every,
+            attention=attention,
+            sharding=sharding,
+            offload=offload,
+            packing=packing,
+            **switches,
+            **kw,
+        )
+
+    def _switches(self, trial: TrialLike, precision, sharding, mb: int, ckpt) -> dict[str, bool]:
+        """The on/off techniques, each asked only where it can run with the knobs chosen so far."""
         # activation offload beside checkpointing (torchtune's pairing): the block inputs go to
         # the host; alone it would move every saved tensor over PCIe. A CPU target has no host
         # apart from its memory.
@@ -271,22 +297,12 @@ class SearchSpace:
         fused = False
         if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
-        return Plan(
-            precision=precision,
-            optimizer=optimizer,
-            micro_batch=mb,
-            grad_accum=self.per_rank_batch // mb,
-            checkpointing=ckpt,
-            attention=attention,
-            sharding=sharding,
-            offload=offload,
-            packing=packing,
-            fused_loss=fused,
-            fused_kernels=kernels,
-            offload_activations=offload_acts,
-            optimizer_in_backward=in_bwd,
-            **kw,
-        )
+        return {
+            "fused_loss": fused,
+            "fused_kernels": kernels,
+            "offload_activations": offload_acts,
+            "optimizer_in_backward": in_bwd,
+        }
 
     def enumerate(self) -> Iterator[Plan]:
         """Every plan ``suggest`` can return (for screening), walking the same tree."""

@@ -118,6 +118,11 @@ FAST = [
             optimizer_in_backward=True
         ),
     ),
+    # selective checkpointing: every second block recomputed, the others keep their saves
+    (
+        "llama-2-7b",
+        Plan(precision="bf16-mixed", micro_batch=2, checkpointing="selective", checkpoint_every=2),
+    ),
     # Liger's fused RMSNorm, SwiGLU and RoPE (evaluators.fused): what their Functions save
     ("llama-2-7b", Plan(precision="bf16-mixed", micro_batch=2, fused_kernels=True)),
     (
@@ -441,6 +446,11 @@ ANALYTIC_PLANS = [
     ),
     Plan(precision="bf16-true", checkpointing="full", micro_batch=2, offload_activations=True),
     Plan(precision="bf16-true", checkpointing="full", micro_batch=2, optimizer_in_backward=True),
+    # selective checkpointing (3 layers: block 1 of 3 checkpointed, the last not)
+    Plan(precision="bf16-true", micro_batch=2, checkpointing="selective", checkpoint_every=2),
+    Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=2, checkpointing="selective").replace(
+        checkpoint_every=3
+    ),
     # fused kernels: exact without checkpointing; with it the analytic is ~1.5% over (LoRA, mixed)
     Plan(precision="bf16-mixed", micro_batch=2, fused_kernels=True),
     Plan(method="lora", lora_rank=16, precision="bf16-mixed", checkpointing="full", micro_batch=2).replace(

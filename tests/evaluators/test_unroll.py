@@ -49,6 +49,8 @@ IN_BWD = dict(precision="bf16-true", attention="sdpa", checkpointing="full", opt
 FUSED = dict(
     precision="bf16-mixed", attention="sdpa", fused_kernels=True, checkpointing="full", micro_batch=1, grad_accum=2
 )
+# every second block checkpointed: the unroll's period covers the pattern (10 layers: 3 periods of 2 and more)
+SELECTIVE = dict(precision="bf16-true", attention="sdpa", checkpointing="selective", checkpoint_every=2, micro_batch=2)
 PLANS = {
     "full": FULL,
     "eager-8bit": EAGER_8BIT,
@@ -59,6 +61,7 @@ PLANS = {
     "offload": OFFLOAD,
     "in-bwd": IN_BWD,
     "fused": FUSED,
+    "selective": SELECTIVE,
 }
 
 # one model per family of the registry; gemma-2's layers alternate (period 2)
@@ -97,6 +100,8 @@ FAST = [
     ("gpt2", "offload"),
     ("llama-3.2-1b", "in-bwd"),
     ("qwen3-8b", "fused"),
+    ("llama-3.2-1b", "selective"),
+    ("gemma-2-9b", "selective"),
 ]
 # every family and plan, but fused kernels only where they fit the block (Family.fused_kernels)
 SLOW = [
@@ -131,7 +136,7 @@ def assert_same(unrolled, full):
 
 
 def case(family: str, plan_name: str):
-    spec = tiny(family, layers=10 if family == "gemma-2-9b" else 5)
+    spec = tiny(family, layers=10 if family == "gemma-2-9b" or plan_name == "selective" else 5)
     kw = dict(PLANS[plan_name])
     if kw["attention"] not in spec.family.attn_impls:
         kw["attention"] = "eager"

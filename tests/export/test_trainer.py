@@ -92,6 +92,11 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
         assert cfg["rope"] is cfg["rms_norm"] is cfg["swiglu"] is plan.fused_kernels
     assert args["fused_loss"]["enabled"] is plan.fused_loss
     assert args["fused_kernels"]["enabled"] is plan.fused_kernels
+    sc = args["selective_checkpointing"]
+    assert sc["enabled"] is (plan.checkpointing is Checkpointing.SELECTIVE)
+    if sc["enabled"]:  # the script's own flags: Trainer.train would switch every block on
+        assert not targs.gradient_checkpointing and sc["every"] == plan.checkpoint_every
+        assert sc["layers"] == list(range(plan.checkpoint_every - 1, ctx.model.num_layers, plan.checkpoint_every))
     assert args["activation_offloading"]["enabled"] is plan.offload_activations
     assert args["optimizer_in_backward"]["enabled"] is plan.optimizer_in_backward
     if plan.optimizer_in_backward:
