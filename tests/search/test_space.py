@@ -23,7 +23,7 @@ def test_fixed_trial_gives_the_plan():
                 "sharding": "zero2",
                 "offload_zero2": "none",
                 "micro_batch": 4,
-                "checkpointing_policy": "full",
+                "checkpointing": "full",
                 "offload_activations": True,
                 "attention": "flash2",
                 "fused_loss": True,
