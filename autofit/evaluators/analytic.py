@@ -1034,9 +1034,9 @@ def fused_traffic(model: ModelSpec, tokens: float) -> float:
     Per element, the eager ops read and write: an RMSNorm's upcast, square, mean, scaling,
     downcast and weight product ~36 bytes against the fused kernel's 4 (two norms a block);
     SiLU and its product with up 10 against 6; RoPE's products with cos and sin, the
-    rotated half and the sum ~24 against 4 (q and k). That is 209 KB a token a block for
-    Llama-3.2-1B against 209 KB in its traced step (bf16), whose backward moves ~2.5× the
-    forward's saving (``step_work``).
+    rotated half and the sum ~24 against 4 (q and k). That is 215 KB a token a block for
+    Llama-3.2-1B, against the 209 KB its traced step (bf16) saves, whose backward saves ~2.5×
+    the forward's (``step_work``).
     """
     per_token = 32 * 2 * model.hidden_size + 4 * model.intermediate_size + 20 * (model.q_dim + model.kv_dim)
     return per_token * tokens * model.num_layers

@@ -120,14 +120,14 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], plan: P
     flag is set (``modeling_layers.py``); enabling sets every decoder layer's, so the others
     are switched off again here, in layer order.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan is not None and plan.checkpointing is Checkpointing.SELECTIVE:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         for layer, on in zip(layers, checkpointed_layers(plan, len(layers)), strict=True):
             layer.gradient_checkpointing = on

@@ -669,8 +669,9 @@ def trace_depth(model: ModelSpec, plan: Plan | None = None) -> Depth | None:
     Selective checkpointing repeats every ``checkpoint_every`` layers: the period covers it."""
     if os.environ.get(ALL_LAYERS_ENV, "") not in ("", "0"):
         return None
-    every = plan.checkpoint_every if plan is not None and plan.checkpointing is Checkpointing.SELECTIVE else 1
-    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None), every or 1)
+    selective = plan is not None and plan.checkpointing is Checkpointing.SELECTIVE
+    every = (plan.checkpoint_every or 1) if selective else 1
+    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None), every)
 
 
 def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, unrolled: bool = True) -> Trace:
