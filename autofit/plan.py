@@ -36,6 +36,7 @@ class Method(_Choice):
     FULL = "full"
     LORA = "lora"
     QLORA = "qlora"  # 4-bit NF4 base weights (bitsandbytes) + LoRA adapters
+    LORA_8BIT = "lora-8bit"  # LLM.int8 base weights (bitsandbytes Linear8bitLt) + LoRA adapters
 
 
 class LoraTargets(_Choice):
@@ -180,7 +181,12 @@ class Plan:
     # -- derived ----------------------------------------------------------------------
     @property
     def is_peft(self) -> bool:
-        return self.method in (Method.LORA, Method.QLORA)
+        return self.method in (Method.LORA, Method.QLORA, Method.LORA_8BIT)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the frozen base weights are bitsandbytes-quantized (4-bit or 8-bit)."""
+        return self.method in (Method.QLORA, Method.LORA_8BIT)
 
     @property
     def engine(self) -> str:
@@ -278,11 +284,19 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
     if plan.is_peft and plan.lora_rank is None:
         p.append(f"method {plan.method.value} needs a LoRA rank (--lora-rank, e.g. 16)")
     if not plan.is_peft and plan.lora_rank is not None:
-        p.append("--lora-rank applies only to method lora or qlora; drop it or pick one of those")
+        p.append("--lora-rank applies only to the LoRA methods (lora, lora-8bit, qlora); drop it or pick one")
     if not plan.is_peft and plan.lora_dropout:
-        p.append("--lora-dropout applies only to method lora or qlora; drop it or pick one of those")
+        p.append("--lora-dropout applies only to the LoRA methods (lora, lora-8bit, qlora); drop it or pick one")
     if plan.method is Method.QLORA and not half:
         p.append("qlora computes in 16-bit: use precision bf16-mixed, fp16-mixed or bf16-true, not 32-true")
+    if plan.method is Method.LORA_8BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
+        # Linear8bitLt keeps its int8 weight and row scales in its MatmulLtState as well as in the
+        # parameter (bitsandbytes nn/modules.py, init_8bit_state), so neither engine can shard them;
+        # transformers documents 8-bit loading with neither (QLoRA shards through bnb_4bit_quant_storage)
+        p.append(
+            f"lora-8bit cannot shard its 8-bit weights with {plan.sharding.value} (bitsandbytes' Linear8bitLt keeps "
+            "them outside the parameter): use zero2 or none, or qlora with zero3/fsdp"
+        )
 
     # precision and kernels against the GPU
     if plan.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not gpu.supports_bf16:
@@ -437,6 +451,8 @@ def moving_parts(plan: Plan) -> tuple[str, ...]:
         parts.append(plan.method.value)
     if plan.method is Method.QLORA:
         parts.append("4-bit base weights")
+    if plan.method is Method.LORA_8BIT:
+        parts.append("8-bit base weights")
     if plan.checkpointing is not Checkpointing.NONE:
         parts.append("gradient checkpointing")
     if plan.attention is Attention.FLASH2:

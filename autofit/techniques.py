@@ -21,6 +21,9 @@ ATTN_IMPL = {Attention.EAGER: "eager", Attention.SDPA: "sdpa", Attention.FLASH2:
 # QLoRA's base weights: bitsandbytes NF4 with double quantization (the QLoRA paper's setting)
 NF4_QUANT_TYPE = "nf4"
 NF4_DOUBLE_QUANT = True
+# lora-8bit's base weights: bitsandbytes LLM.int8 with transformers' BitsAndBytesConfig default
+# outlier threshold (llm_int8_threshold): input columns holding a value at or above it run in 16-bit
+INT8_THRESHOLD = 6.0
 
 
 # Liger's kernel switches (``liger_kernel_config``, the keyword arguments of

@@ -103,6 +103,8 @@ def build(spec, plan, device: str, seed: int):
     from autofit.evaluators import runtime as rt
     from autofit.plan import Method, Sharding
 
+    if plan.method is Method.LORA_8BIT:  # never sharded (plan_problems): int8 weights as transformers loads them
+        return rt.build_quantized_model(spec, plan, device, seed=seed)
     if plan.method is Method.QLORA:
         import torch
 

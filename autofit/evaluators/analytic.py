@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from autofit.evaluators import costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
-from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan
+from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.techniques import checkpointed_layers, dtype_layout
@@ -49,6 +49,7 @@ class _Block:
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
+    held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -86,8 +87,15 @@ class _Saves:
         )
         self.rank = plan.lora_rank or 0
         # PEFT casts an adapter's input to the adapter dtype (fp32 under autocast), and
-        # autocast casts it back for the matmul: every adapter then saves its own copy
-        self.adapter_recast = lay.autocasts and plan.is_peft
+        # autocast casts it back for the matmul: every adapter then saves its own copy. Its
+        # bitsandbytes wrapper (lora.bnb.Linear8bitLt) skips the cast where
+        # torch.is_autocast_enabled() says so, which without a device asks CUDA: not on the CPU
+        self.int8 = plan.method is Method.LORA_8BIT
+        self.adapter_recast = lay.autocasts and plan.is_peft and (cpu or not self.int8)
+        # what LLM.int8's MatMul8bitLt keeps on its ctx (``ctx.tensors``: the input and, on
+        # CUDA, its outlier columns), outside the saved-tensor hooks: checkpointing does not
+        # free it and activation offload does not move it (keys as in ``saved``)
+        self.held: dict[str, float] = {}
         # dropout's mask: bool on CUDA, the input dtype on the CPU
         # (the residual dropouts drop a projection's output, in the compute dtype)
         self.mask_bytes = self.c if cpu else 1
@@ -99,7 +107,10 @@ class _Saves:
         return sum(self.saved.values())
 
     def lin(self, name: str, src: str, src_bytes: int, width: int) -> None:
-        """A Linear saves its input when its weight or a LoRA adapter needs it."""
+        """A Linear saves its input when its weight or a LoRA adapter needs it (an LLM.int8
+        Linear keeps it anyway: ``_int8_input``)."""
+        if self.int8:
+            self._int8_input(name, src, src_bytes, width)
         if not (self.full or name in self.lora):
             return
         if (self.autocast and src_bytes != self.c) or (self.adapter_recast and name in self.lora):
@@ -110,6 +121,20 @@ class _Saves:
             self.saved[name + ".lora_mid"] = self.rank * self.c
             if self.plan.lora_dropout:
                 self._lora_dropout(name, src, width)
+
+    def _int8_input(self, name: str, src: str, src_bytes: int, width: int) -> None:
+        """``MatMul8bitLt`` keeps its input whenever it needs a gradient (bitsandbytes
+        autograd/_functions.py: ``ctx.tensors = (CAt, subA, A)``), though a frozen weight's
+        backward reads neither; on CUDA also ``subA``, the outlier columns in the input's dtype
+        (``costs.int8_outlier_columns``). The CPU's ``MatMul8bitFp`` keeps the input (``ctx.A``)."""
+        # (block 0's first norm output needs no gradient there: its outlier columns are keyed
+        # with that norm; the output itself is what the adapters save anyway)
+        prefix = "ln1." if src in ("n1", "ln1.out") else ""
+        held = {src: width * src_bytes}
+        if not self.cpu:
+            held[prefix + name + ".int8_outliers"] = costs.int8_outlier_columns(width) * src_bytes
+        self.held.update(held)
+        self.saved.update(held)
 
     def _lora_dropout(self, name: str, src: str, width: int) -> None:
         """peft ``lora.Linear.forward``: ``lora_B(lora_A(dropout(x)))`` with one ``nn.Dropout`` per
@@ -433,6 +458,7 @@ def _block_summary(
     fwd_quad = a * (scores * c + (4 if c != 4 else 0)) if eager else (a * 4 if math else 0.0)
     first_norm = sum(v for k, v in saved.items() if k.startswith("ln1."))
     total = s.total()
+    held_tok = sum(s.held.values())
     probs_quad = a * c if eager and c != 4 and f.positions != "learned" else 0.0
     attn_freed = saved.get("o_in", 0.0) + saved.get(f.attn_out + ".cast", 0.0)
     return _Block(
@@ -446,6 +472,7 @@ def _block_summary(
         probs_quad,
         attn_bwd_quad,
         mlp_fwd_tok,
+        held_tok,
     )
 
 
@@ -591,8 +618,9 @@ def _activations(
     head = t_mem * _head_activations(model, plan, ctx.cluster.gpu.kind == "cpu")
     flags = checkpointed_layers(plan, L)
     n_ckpt = sum(flags)
-    # a checkpointed block keeps its input, the others their saves
-    saved_blocks = n_ckpt * t_mem * lay.base_bytes * model.hidden_size + (L - n_ckpt) * block_bytes
+    # a checkpointed block keeps its input (and what LLM.int8 holds), the others their saves
+    held = t_mem * blk.held_tok
+    saved_blocks = n_ckpt * (t_mem * lay.base_bytes * model.hidden_size + held) + (L - n_ckpt) * block_bytes
     if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
         saved_blocks -= t_mem * blk.first_norm
     recompute = block_bytes if n_ckpt else 0.0  # one block's activations while it runs backward
@@ -601,7 +629,7 @@ def _activations(
     if plan.offload_activations:
         # every block's saves go to the host (evaluators.offload) and come back node by node
         # in backward (the backward moments' transients); the head's stay: not offloaded
-        offloaded, saved_blocks = saved_blocks, 0.0
+        offloaded, saved_blocks = saved_blocks - L * held, L * held
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
     bwd_temp = t_mem * blk.bwd_tok
@@ -610,14 +638,18 @@ def _activations(
     if flags[-1]:
         # a checkpointed forward saves nothing: what the attention half would save is transient
         fwd_temp += block_bytes - t_mem * blk.mlp_tok
-    if plan.method is Method.QLORA:  # one Linear dequantized to the compute dtype at a time
+    cpu = ctx.cluster.gpu.kind == "cpu"
+    if plan.quantized:  # one Linear dequantized to the compute dtype at a time
         dequant = max(i * o for _, i, o, _ in model.linears()) * c
-        bwd_temp += dequant  # MatMul4Bit's backward always dequantizes
+        bwd_temp += dequant  # MatMul4Bit's and MatMul8bitLt's backwards always dequantize
         attn_bwd_temp += dequant
         # forward: bitsandbytes' fused kernel up to 1536 rows on CUDA; beyond, and always
-        # on the CPU, dequantize + linear (runtime.bnb_decompositions)
-        if ctx.cluster.gpu.kind == "cpu" or t_mem > 1536:
+        # on the CPU, dequantize + linear (runtime.bnb_decompositions); LLM.int8 dequantizes
+        # on the CPU only (MatMul8bitFp), and on CUDA quantizes the input (``_int8_forward``)
+        if cpu or (plan.method is Method.QLORA and t_mem > 1536):
             fwd_temp += dequant
+        elif plan.method is Method.LORA_8BIT:
+            fwd_temp += t_mem * _int8_forward(model, plan, c)
     return _Activations(
         block=block_bytes,
         saved=saved_blocks + head + rope,
@@ -633,6 +665,17 @@ def _activations(
         bwd_temp=bwd_temp,
         attn_bwd_temp=attn_bwd_temp,
     )
+
+
+def _int8_forward(model: ModelSpec, plan: Plan, c: int) -> float:
+    """Bytes per token an LLM.int8 Linear holds at once in its CUDA forward, the largest of
+    the block's (evaluators/int8.py, from bitsandbytes' CUDA ops): while quantizing, the
+    input's fp16 copy (none when it is fp16 already), the int8 copy, ``abs`` and the
+    outlier mask; then the int8 input, the GEMM's int32 output, its fp16 dequantization and
+    the cast to the input's dtype."""
+    fp16 = plan.precision is Precision.FP16_MIXED
+    cast = 0 if fp16 else 2
+    return max(max(i * (cast + 1 + 2 + 1), i + o * (4 + 2 + (0 if fp16 else c))) for _, i, o, _ in model.linears())
 
 
 @dataclass(frozen=True)
@@ -659,9 +702,8 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     sb = costs.state_bytes(model, plan)
     # one block's weights as ZeRO-3/FSDP gather them: in the compute dtype (NF4 stays packed)
     layer_weights = model.layer_params() * c
-    if plan.method is Method.QLORA:
-        layer_linear = model.linear_params() / L
-        layer_weights += layer_linear * (costs.NF4_BYTES_PER_PARAM - c)
+    if plan.quantized:
+        layer_weights += costs.quantized_layer_bytes(model, plan) - model.linear_params() / L * c
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     step_tmp = 0.0
     if plan.optimizer is Optimizer.ADAFACTOR:
@@ -981,6 +1023,7 @@ def step_work(
     fused_fwd = fused_traffic(model, T) if plan.fused_kernels else 0.0
     logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
     dequant = model.linear_params() * (costs.NF4_BYTES_PER_PARAM + 2) if plan.method is Method.QLORA else 0.0
+    int8_fwd, int8_bwd, int8_k_fwd, int8_k_bwd = _int8_work(model, plan, T, cluster.gpu.kind == "cpu")
     head_params = model.vocab_size * model.hidden_size
     # autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute);
     # backward casts the 16-bit weight gradients back to fp32
@@ -989,10 +1032,11 @@ def step_work(
     k_bwd = KERNELS_BWD + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
     if plan.fused_kernels:
         k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
+    k_fwd, k_bwd = k_fwd + int8_k_fwd, k_bwd + int8_k_bwd
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
-        memory_bytes=max(0.0, 1.5 * elementwise - fused_fwd) + logits / 2 + dequant + casts,
+        memory_bytes=max(0.0, 1.5 * elementwise - fused_fwd) + logits / 2 + dequant + casts + int8_fwd,
         kernels=L * k_fwd + KERNELS_HEAD,
     )
     weight_grads = (*block, *head) if full else ()
@@ -1003,7 +1047,9 @@ def step_work(
         memory_bytes=max(0.0, (2.5 + 1.5 * rc) * elementwise - (2.5 + 1.0 * rc) * fused_fwd)
         + logits / 2
         + dequant * (1 + rc)
-        + casts * rc,
+        + casts * rc
+        + int8_bwd
+        + int8_fwd * rc,
         kernels=L * (k_bwd + k_fwd * rc) + KERNELS_HEAD,
     )
     dp = cluster.world_size
@@ -1026,6 +1072,34 @@ def step_work(
         transfers=costs.transfer_work(plan, model, cluster, sb, offloaded),
         model_flops=plan.grad_accum * model_flops,
     )
+
+
+def _int8_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, int, int]:
+    """LLM.int8's forward and backward bytes over all blocks, and its kernels per block each way.
+
+    Counted per element from the ops of evaluators/int8.py (bitsandbytes' CUDA path), for a
+    16-bit input: the fp16 cast (4 bytes read and written), ``abs`` (4), the outlier mask
+    (3), its column reduction (1), zeroing the outlier columns (2), the row-wise quantization
+    (3) and the outlier gather (2) on the input side; the int8 GEMM's int32 output (4), its
+    dequantization to fp16 (6) and the cast back (4) on the output side; an fp16 input skips
+    both casts. Each forward also reads the int8 weight's outlier columns out of the whole
+    weight (1 byte a parameter); each backward dequantizes the weight (``CB.to(dtype)`` and
+    the scale product: 1 + 3 bytes of the input's dtype a parameter). The CPU's
+    ``MatMul8bitFp`` dequantizes the same way in both. Kernels: 11 a Linear in forward (8
+    in fp16), 3 in backward, as the trace counts them.
+    """
+    if plan.method is not Method.LORA_8BIT:
+        return 0.0, 0.0, 0, 0
+    c = dtype_layout(plan).compute_bytes
+    lins = model.linears()
+    weights = model.linear_params()
+    dequant = weights * (1 + 3 * c)
+    if cpu:
+        return dequant, dequant, 3 * len(lins), 3 * len(lins)
+    cast = 0 if plan.precision is Precision.FP16_MIXED else 2 + c
+    per_token = sum(i * (15 + cast) + o * (10 + cast) for _, i, o, _ in lins)
+    forward = tokens * model.num_layers * per_token + weights
+    return forward, dequant, (8 if cast == 0 else 11) * len(lins), 3 * len(lins)
 
 
 def fused_traffic(model: ModelSpec, tokens: float) -> float:

@@ -206,6 +206,29 @@ class ShardedStates:
 # bitsandbytes NF4 with double quantization (the QLoRA default we export): 4-bit codes,
 # an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+# LLM.int8's outlier columns (inputs with a value >= llm_int8_threshold) depend on the data;
+# the simulator and the analytic model take this share of a Linear's input columns
+# (evaluators/int8.py says why)
+INT8_OUTLIER_FRACTION = 0.01
+
+
+def int8_outlier_columns(cols: int) -> int:
+    """Input columns of an LLM.int8 Linear taken to hold an outlier (at least one)."""
+    return max(1, round(cols * INT8_OUTLIER_FRACTION))
+
+
+def quantized_layer_bytes(model: ModelSpec, plan: Plan) -> float:
+    """One block's bitsandbytes-quantized Linear weights, in bytes: NF4 for QLoRA; for
+    lora-8bit an int8 weight and one fp32 absmax per output row (``Int8Params._quantize``,
+    ``int8_vectorwise_quant``; bitsandbytes nn/modules.py). 0 for an unquantized plan."""
+    if plan.method is Method.QLORA:
+        return sum(i * o for _, i, o, _ in model.linears()) * NF4_BYTES_PER_PARAM
+    if plan.method is Method.LORA_8BIT:
+        return float(sum(i * o + 4 * o for _, i, o, _ in model.linears()))
+    return 0.0
+
+
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements,
 # and one fp32 absmax per block of this many elements for each 8-bit state.
 BNB_MIN_8BIT_SIZE = 4096
@@ -225,9 +248,9 @@ def state_bytes(model: ModelSpec, plan: Plan) -> StateBytes:
     if plan.is_peft:
         n_t = model.lora_params(plan.lora_rank or 0, plan.lora_targets)
         base_b = lay.base_bytes
-        if plan.method is Method.QLORA:
+        if plan.quantized:
             n_lin = model.linear_params()
-            weights = n_lin * NF4_BYTES_PER_PARAM + (n - n_lin) * base_b
+            weights = model.num_layers * quantized_layer_bytes(model, plan) + (n - n_lin) * base_b
         else:
             weights = n * base_b
         weights += n_t * p_b

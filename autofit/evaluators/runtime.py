@@ -24,13 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.evaluators import fused, offload
+from autofit.evaluators import fused, int8, offload
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Checkpointing, Method, Optimizer, Plan
 from autofit.specs import ModelSpec, Workload
 from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names are re-exported
     ATTN_IMPL,
+    INT8_THRESHOLD,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
     checkpointed_layers,
@@ -49,6 +50,9 @@ IGNORE_INDEX = -100
 # untrusted; bitsandbytes falls back to its own kernel either way.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 logging.getLogger("kernels").setLevel(logging.ERROR)
+# MatMul8bitLt logs at every call that it quantizes a bf16 input through fp16 (lora-8bit in
+# bf16); that is how LLM.int8 runs, and the simulator traces it on every Linear
+logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
@@ -109,6 +113,10 @@ def build_model(
             model = cls(cfg).to(lay.base_dtype)
     if plan.method is Method.QLORA:
         quantize_linears(model, spec, half_dtype(plan), device)
+    elif plan.method is Method.LORA_8BIT:
+        for _name, parent, child_name, child in _quant_targets(model, spec):
+            weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).contiguous()
+            setattr(parent, child_name, _linear8bit(weight, child.bias, device))
     return _apply_plan(model, spec, plan)
 
 
@@ -209,6 +217,23 @@ def _linear4bit(
     return q.to(device)
 
 
+def _linear8bit(weight: torch.Tensor, bias: torch.Tensor | None, device) -> torch.nn.Module:
+    """An LLM.int8 Linear8bitLt from ``weight`` (out × in) on ``device``, as transformers'
+    8-bit loader builds it (``has_fp16_weights=False``: a frozen int8 weight with one fp32
+    absmax per output row). ``Int8Params.to`` quantizes on the way to a real device
+    (bitsandbytes nn/modules.py); on ``meta`` nothing is quantized (``to_fake`` does it)."""
+    import bitsandbytes as bnb
+
+    out_f, in_f = weight.shape
+    q = bnb.nn.Linear8bitLt(
+        in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta"
+    )
+    q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    if bias is not None:
+        q.bias = torch.nn.Parameter(bias.data.to(device=weight.device), requires_grad=False)
+    return q.to(device)
+
+
 # -- QLoRA without a 16-bit model: built on meta, materialized and quantized one module at a time --
 def build_quantized_model(
     spec: ModelSpec,
@@ -217,7 +242,7 @@ def build_quantized_model(
     seed: int = 0,
     quant_storage: torch.dtype | None = None,
 ) -> torch.nn.Module:
-    """A QLoRA plan's model whose 16-bit base never exists whole (measured runs).
+    """A QLoRA (or lora-8bit) plan's model whose 16-bit base never exists whole (measured runs).
 
     ``build_model`` materializes every weight in 16-bit, then quantizes: fine for tests,
     but a 70B model would need 140 GB first. Here the architecture is built on the meta
@@ -253,7 +278,10 @@ def build_quantized_model(
             out_f, in_f = (module.nf, module.nx) if conv else (module.out_features, module.in_features)
             weight = torch.empty(out_f, in_f, dtype=lay.base_dtype, device=device).normal_(0.0, std)
             bias = torch.zeros(out_f, dtype=lay.base_dtype, device=device) if module.bias is not None else None
-            setattr(parent, attr, _linear4bit(weight, bias, half, device, quant_storage))
+            if plan.method is Method.LORA_8BIT:
+                setattr(parent, attr, _linear8bit(weight, bias, device))
+            else:
+                setattr(parent, attr, _linear4bit(weight, bias, half, device, quant_storage))
             del weight, bias
             continue
         metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.device.type == "meta"]
@@ -277,6 +305,10 @@ def _apply_plan(model: torch.nn.Module, spec: ModelSpec, plan: Plan) -> torch.nn
         # "`loss_type=None` was set in the config but it is unrecognized" (modeling_utils,
         # PreTrainedModel.loss_function) and then used ForCausalLM: name it, same loss, no noise
         model.loss_type = "ForCausalLM"
+    if plan.method is Method.LORA_8BIT:
+        # what transformers' 8-bit quantizer sets (quantizer_bnb_8bit.py), so that peft wraps
+        # each Linear8bitLt in its own lora.bnb.Linear8bitLt as it does in the user's run
+        model.is_loaded_in_8bit = True
     if plan.is_peft:
         from peft import get_peft_model
 
@@ -310,12 +342,19 @@ def _quant_states(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any
 
 def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every tensor the model holds before a step: parameters, buffers and bitsandbytes'
-    quant states (absmax, codes, offset), which are neither but live as long as the weight."""
+    quant states (4-bit: absmax, codes, offset; 8-bit: the row absmax ``SCB`` on the
+    parameter or, after the first forward, on the layer's ``MatmulLtState``), which are
+    neither but live as long as the weight."""
     out = list(model.parameters()) + list(model.buffers())
     for _, qs in _quant_states(model):
         for st in (qs, qs.state2):
             if st is not None:
                 out += [t for t in (st.absmax, st.code, st.offset) if isinstance(t, torch.Tensor)]
+    for m in model.modules():
+        for holder in (getattr(m, "weight", None), getattr(m, "state", None)):
+            scb = getattr(holder, "SCB", None) if type(holder).__name__ in ("Int8Params", "MatmulLtState") else None
+            if isinstance(scb, torch.Tensor) and not any(scb is t for t in out):
+                out.append(scb)
     return out
 
 
@@ -343,6 +382,9 @@ def to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
         weight = m._parameters.get("weight")
         if weight is not None and type(weight).__name__ == "Params4bit" and not weight.bnb_quantized:
             _fake_quantize(m, fake(weight), mode)
+            memo[id(weight)] = m.weight
+        elif weight is not None and type(weight).__name__ == "Int8Params" and weight.dtype is not torch.int8:
+            _fake_quantize_8bit(m, fake(weight), mode)
             memo[id(weight)] = m.weight
         for name, p in list(m._parameters.items()):
             if p is not None and not _is_fake(p):
@@ -385,6 +427,19 @@ def _fake_quantize(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
     module.quant_state = qs
 
 
+def _fake_quantize_8bit(module: torch.nn.Module, weight: torch.Tensor, mode) -> None:
+    """``Int8Params._quantize`` under the fake mode: bitsandbytes' own row-wise quantization
+    (fake kernels give the int8 weight and its fp32 row absmax), carried as the parameter
+    Linear8bitLt.forward reads (``CB``, ``SCB``, ``has_fp16_weights``)."""
+    import bitsandbytes as bnb
+
+    with mode:
+        cb, scb, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
+    p = torch.nn.Parameter(cb, requires_grad=False)
+    p.CB, p.SCB, p.has_fp16_weights = cb, scb, False
+    module._parameters["weight"] = p
+
+
 def bnb_decompositions(kind: str) -> dict:
     """bitsandbytes ops a storage tracker should see into, for a device of ``kind``.
 
@@ -392,7 +447,9 @@ def bnb_decompositions(kind: str) -> dict:
     than 1536 rows (bitsandbytes 0.50's ``_gemm_4bit_custom_max_m``) it runs
     ``_gemm_4bit_default_impl``: the absmax dequantized to fp32 and the whole weight
     dequantized to the compute dtype before a plain linear. Those temporaries are real
-    memory; the tracker sees them when it runs that function in place of the op.
+    memory; the tracker sees them when it runs that function in place of the op. On CUDA,
+    LLM.int8's ops too (``int8.cuda_decompositions``: int32 and fp16 GEMM outputs, the
+    quantized input, the outlier columns).
     """
     try:
         from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
@@ -405,7 +462,10 @@ def bnb_decompositions(kind: str) -> dict:
     def when(a, *args, **kwargs) -> bool:
         return a.numel() // a.shape[-1] > max_custom_rows
 
-    return {op: (when, _gemm_4bit_default_impl)}
+    out = {op: (when, _gemm_4bit_default_impl)}
+    if kind == "cuda":
+        out.update(int8.cuda_decompositions())
+    return out
 
 
 def make_optimizer(plan: Plan, model: torch.nn.Module, lr: float = 1e-5) -> Any:

@@ -466,6 +466,13 @@ class _OpCounter:
             aten.new_empty_strided.default,
             aten.empty_like.default,
         }
+        # bitsandbytes' LLM.int8 Python wrappers (evaluators/int8.py): their ops are the kernels
+        try:
+            import bitsandbytes  # noqa: F401 - registers torch.ops.bitsandbytes
+
+            self.free |= {torch.ops.bitsandbytes.int8_scaled_mm.default, torch.ops.bitsandbytes.int8_mixed_scaled_mm.default}
+        except (ImportError, AttributeError):
+            pass
 
     def counted(self, func) -> bool:
         """An op that costs time (prim.device & co. query metadata)."""
@@ -513,6 +520,8 @@ class _OpCounter:
         elif packet.__name__ == "gemm_4bit":  # bitsandbytes' fused 4-bit matmul, left whole
             a = args[0]
             flops = 2.0 * a.numel() * args[2][0]
+        elif packet.__name__ == "int8_linear_matmul":  # LLM.int8's GEMM: A (tokens × in) · B (out × in)ᵀ
+            flops = 2.0 * args[0].numel() * args[1].shape[0]
         return flops
 
     def gemm_dim(self, func, args) -> float:
@@ -525,6 +534,9 @@ class _OpCounter:
         elif name == "gemm_4bit":
             a = args[0]
             return float(min(a.numel() // a.shape[-1], a.shape[-1], args[2][0]))
+        elif name == "int8_linear_matmul":
+            a = args[0]
+            return float(min(a.numel() // a.shape[-1], a.shape[-1], args[1].shape[0]))
         else:
             return 0.0
         return float(min(a.shape[-2], a.shape[-1], b.shape[-1]))
@@ -696,6 +708,7 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
 def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, depth: Depth | None) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autofit.evaluators import int8
     from autofit.evaluators import runtime as rt
 
     t0 = time.perf_counter()
@@ -716,7 +729,9 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
     layers = unroll.decoder_layers(net, model.family.decoder_layer)
     context = unroll.LayerContext(layers, tr)
-    with _value_decisions(), mode, tr:
+    # a CUDA target's LLM.int8 layers run MatMul8bitLt, not the CPU's MatMul8bitFp (evaluators/int8.py)
+    int8_path = int8.cuda_matmul() if target.kind == "cuda" else contextlib.nullcontext()
+    with _value_decisions(), mode, tr, int8_path:
         _track_weights(tr, net, layers)
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
         # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
@@ -901,8 +916,8 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     L = model.num_layers
     c = 4 if costs.compute_dtype(plan) == "fp32" else 2
     layer_weights = model.layer_params() * c
-    if plan.method.value == "qlora":
-        layer_weights += model.linear_params() / L * (costs.NF4_BYTES_PER_PARAM - c)
+    if plan.quantized:
+        layer_weights += costs.quantized_layer_bytes(model, plan) - model.linear_params() / L * c
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
     # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes

@@ -16,6 +16,7 @@ from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precis
 from autofit.specs import Target
 from autofit.techniques import (
     ATTN_IMPL,
+    INT8_THRESHOLD,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
     checkpointed_layers,
@@ -104,7 +105,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         # fp32 adapters where the memory model keeps the trainable state in fp32: full
         # precision, or mixed precision outside DeepSpeed (which casts the whole module to 16-bit)
         result["peft_model_kwargs"] = {"autocast_adapter_dtype": lay.trainable == "float32"}
-    if plan.method is Method.QLORA:
+    if plan.quantized:
         result["quantization"] = quantization_kwargs(plan)
         notes.append(
             "load with quantization_config=BitsAndBytesConfig(**quantization) and skip "
@@ -116,11 +117,14 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
 
 
 def quantization_kwargs(plan: Plan) -> dict[str, Any]:
-    """``BitsAndBytesConfig`` for QLoRA: the runtime's NF4 double quantization.
+    """``BitsAndBytesConfig`` for QLoRA (the runtime's NF4 double quantization) or lora-8bit
+    (LLM.int8 with frozen int8 weights and its outlier threshold, ``techniques.INT8_THRESHOLD``).
 
     FSDP and ZeRO-3 shard only floating-point tensors, so there the packed 4-bit weights
     are stored in the compute dtype (same bytes, different element type).
     """
+    if plan.method is Method.LORA_8BIT:
+        return {"load_in_8bit": True, "llm_int8_threshold": INT8_THRESHOLD, "llm_int8_has_fp16_weight": False}
     half = dtype_layout(plan).half
     sharded = plan.engine == "fsdp" or plan.zero_stage == 3
     return {

@@ -136,7 +136,7 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
     opts = {k: v for k, v in opts.items() if v is not None}
     opts.setdefault("precision", default_precision(ctx.cluster))
     opts.setdefault("attention", "sdpa" if "sdpa" in ctx.model.family.attn_impls else "eager")
-    if opts.get("method", "full") in ("lora", "qlora"):
+    if str(opts.get("method", "full")) != "full":
         opts.setdefault("lora_rank", DEFAULT_LORA_RANK)
     if str(opts.get("checkpointing", "")) == "selective":
         opts.setdefault("checkpoint_every", DEFAULT_CHECKPOINT_EVERY)

@@ -2,7 +2,11 @@
 
 The user's training semantics are fixed: the global batch is theirs, so micro-batch and
 gradient accumulation are searched as factorizations of it; quality-affecting choices
-(method, LoRA rank, optimizer, precision) come only from what ``Allowed`` permits. The
+(method, LoRA rank, optimizer, precision) come only from what ``Allowed`` permits. Its
+default methods are full, lora and qlora: lora-8bit (LLM.int8 base weights) is searched
+where ``--methods`` names it: on every model × GPU pair of
+benchmarks/results/2026-12-04-lora-8bit.md the analytic screen ranks its fastest plan below
+qlora's, so by default it would only lengthen the search. The
 rest — checkpointing (with activation offload beside it on a GPU), attention kernel,
 sharding, offload, micro-batch, packing, fused loss, the optimizer step in backward (one
 GPU, no accumulation) — is always free.
@@ -223,18 +227,20 @@ class SearchSpace:
             )
         )
         optimizer = Optimizer(trial.suggest_categorical("optimizer", [o.value for o in a.optimizers]))
+        # 8-bit optimizer states and LLM.int8 weights are not sharded by ZeRO-3 or FSDP (plan_problems)
+        int8_weights = method is Method.LORA_8BIT
         shardings = [
             s
             for s in self.shardings()
             if self.offloads(s, optimizer)
             and not (
-                optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT) and s in (Sharding.ZERO3, Sharding.FSDP)
+                (int8_weights or optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT))
+                and s in (Sharding.ZERO3, Sharding.FSDP)
             )
         ]
+        name = f"sharding_{optimizer.value}" if len(a.optimizers) > 1 else "sharding"
         sharding = Sharding(
-            trial.suggest_categorical(
-                f"sharding_{optimizer.value}" if len(a.optimizers) > 1 else "sharding", [s.value for s in shardings]
-            )
+            trial.suggest_categorical(name + ("_lora_8bit" if int8_weights else ""), [s.value for s in shardings])
         )
         offloads = self.offloads(sharding, optimizer)
         offload = Offload.NONE
