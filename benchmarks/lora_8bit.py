@@ -58,6 +58,8 @@ def frontier() -> list[str]:
         order = " > ".join(sorted(best, key=lambda m: -best[m].tokens_per_sec))
         rows.append(f"| {model} | {gpus} | {' | '.join(cells)} | {order} |")
     return rows
+
+
 PLANS = [
     Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=1),
     Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=2, checkpointing="full"),

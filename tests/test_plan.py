@@ -42,7 +42,7 @@ def test_validation_collects_every_problem_with_its_fix():
     "plan,fragment",
     [
         (Plan(method="lora"), "needs a LoRA rank"),
-        (Plan(lora_rank=8), "applies only to method lora"),
+        (Plan(lora_rank=8), "applies only to the LoRA methods"),
         (Plan(method="qlora", lora_rank=8, precision="32-true"), "qlora computes in 16-bit"),
         (Plan(packing=True), "packing needs flash2"),
         (Plan(sharding="zero2", offload="optimizer+params"), "needs zero3 or fsdp"),

@@ -137,14 +137,17 @@ def plan_options(fn: Callable) -> Callable:
     decorators = [
         click.option("--method", type=_choice(Method), default="full", show_default=True),
         click.option(
-            "--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (lora/qlora; default 16)."
+            "--lora-rank",
+            type=click.IntRange(min=1),
+            default=None,
+            help="LoRA rank (lora, lora-8bit, qlora; default 16).",
         ),
         click.option("--lora-targets", type=_choice(LoraTargets), default="all-linear", show_default=True),
         click.option(
             "--lora-dropout",
             type=click.FloatRange(0.0, 1.0, max_open=True),
             default=None,
-            help="Dropout on the adapters' inputs (lora/qlora; peft's default: 0.0).",
+            help="Dropout on the adapters' inputs (lora, lora-8bit, qlora; peft's default: 0.0).",
         ),
         click.option(
             "--precision",

@@ -29,7 +29,9 @@ from autofit.report import analysis, console
 @click.command()
 @target_options(required=False)
 @click.option(
-    "--methods", default=None, help="Methods the search may use (quality-affecting): full,lora,lora-8bit,qlora [default: full,lora,qlora]."
+    "--methods",
+    default=None,
+    help="Methods the search may use (quality-affecting): full,lora,lora-8bit,qlora [default: full,lora,qlora].",
 )
 @click.option("--optimizers", default=None, help="Optimizers it may use (quality-affecting) [default: adamw].")
 @click.option(

@@ -274,6 +274,11 @@ def _model_facts(model) -> dict[str, Any]:
     inner = getattr(model, "get_base_model", lambda: model)()
     return {
         "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
+        # bitsandbytes' own layers (peft's lora.bnb wrapper shares the class name)
+        "linear8bit": sum(
+            type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")
+            for m in model.modules()
+        ),
         "trainable_params": sum(p.numel() for p in trainable),
         "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trainable}),
         "checkpointing": bool(

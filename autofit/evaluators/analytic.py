@@ -1022,21 +1022,19 @@ def step_work(
     # of ops each read and write it (``fused_traffic``)
     fused_fwd = fused_traffic(model, T) if plan.fused_kernels else 0.0
     logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
-    dequant = model.linear_params() * (costs.NF4_BYTES_PER_PARAM + 2) if plan.method is Method.QLORA else 0.0
-    int8_fwd, int8_bwd, int8_k_fwd, int8_k_bwd = _int8_work(model, plan, T, cluster.gpu.kind == "cpu")
+    q_fwd, q_bwd, q_k_fwd, q_k_bwd = _quantized_work(model, plan, T, cluster.gpu.kind == "cpu")
     head_params = model.vocab_size * model.hidden_size
     # autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute);
     # backward casts the 16-bit weight gradients back to fp32
     casts = (model.linear_params() + head_params) * 6 if lay.autocasts and full else 0.0
-    k_fwd = KERNELS_FWD + (KERNELS_AUTOCAST_FWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
-    k_bwd = KERNELS_BWD + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    k_fwd = KERNELS_FWD + q_k_fwd + (KERNELS_AUTOCAST_FWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    k_bwd = KERNELS_BWD + q_k_bwd + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
     if plan.fused_kernels:
         k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
-    k_fwd, k_bwd = k_fwd + int8_k_fwd, k_bwd + int8_k_bwd
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
-        memory_bytes=max(0.0, 1.5 * elementwise - fused_fwd) + logits / 2 + dequant + casts + int8_fwd,
+        memory_bytes=max(0.0, 1.5 * elementwise - fused_fwd) + logits / 2 + q_fwd + casts,
         kernels=L * k_fwd + KERNELS_HEAD,
     )
     weight_grads = (*block, *head) if full else ()
@@ -1046,10 +1044,8 @@ def step_work(
         attention=attn_bwd + attn_fwd * rc,
         memory_bytes=max(0.0, (2.5 + 1.5 * rc) * elementwise - (2.5 + 1.0 * rc) * fused_fwd)
         + logits / 2
-        + dequant * (1 + rc)
-        + casts * rc
-        + int8_bwd
-        + int8_fwd * rc,
+        + q_bwd
+        + (q_fwd + casts) * rc,
         kernels=L * (k_bwd + k_fwd * rc) + KERNELS_HEAD,
     )
     dp = cluster.world_size
@@ -1074,20 +1070,25 @@ def step_work(
     )
 
 
-def _int8_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, int, int]:
-    """LLM.int8's forward and backward bytes over all blocks, and its kernels per block each way.
+def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, int, int]:
+    """The quantized base weights' forward and backward bytes over all blocks, and their
+    kernels per block each way (a recompute repeats the forward's).
 
-    Counted per element from the ops of evaluators/int8.py (bitsandbytes' CUDA path), for a
-    16-bit input: the fp16 cast (4 bytes read and written), ``abs`` (4), the outlier mask
-    (3), its column reduction (1), zeroing the outlier columns (2), the row-wise quantization
-    (3) and the outlier gather (2) on the input side; the int8 GEMM's int32 output (4), its
-    dequantization to fp16 (6) and the cast back (4) on the output side; an fp16 input skips
-    both casts. Each forward also reads the int8 weight's outlier columns out of the whole
-    weight (1 byte a parameter); each backward dequantizes the weight (``CB.to(dtype)`` and
-    the scale product: 1 + 3 bytes of the input's dtype a parameter). The CPU's
-    ``MatMul8bitFp`` dequantizes the same way in both. Kernels: 11 a Linear in forward (8
-    in fp16), 3 in backward, as the trace counts them.
+    QLoRA: every Linear's NF4 weight dequantized to 16-bit each way (its kernels are in the
+    base counts). LLM.int8 (lora-8bit), counted per element from the ops of evaluators/int8.py
+    (bitsandbytes' CUDA path), for a 16-bit input: the fp16 cast (4 bytes read and written),
+    ``abs`` (4), the outlier mask (3), its column reduction (1), zeroing the outlier columns
+    (2), the row-wise quantization (3) and the outlier gather (2) on the input side; the int8
+    GEMM's int32 output (4), its dequantization to fp16 (6) and the cast back (4) on the
+    output side; an fp16 input skips both casts. Each forward also reads the int8 weight's
+    outlier columns out of the whole weight (1 byte a parameter); each backward dequantizes
+    the weight (``CB.to(dtype)`` and the scale product: 1 + 3 bytes of the input's dtype a
+    parameter). The CPU's ``MatMul8bitFp`` dequantizes the same way in both. Kernels: 11 a
+    Linear in forward (8 in fp16), 3 in backward, as the trace counts them.
     """
+    if plan.method is Method.QLORA:
+        dequant = model.linear_params() * (costs.NF4_BYTES_PER_PARAM + 2)
+        return dequant, dequant, 0, 0
     if plan.method is not Method.LORA_8BIT:
         return 0.0, 0.0, 0, 0
     c = dtype_layout(plan).compute_bytes

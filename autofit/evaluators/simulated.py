@@ -470,7 +470,8 @@ class _OpCounter:
         try:
             import bitsandbytes  # noqa: F401 - registers torch.ops.bitsandbytes
 
-            self.free |= {torch.ops.bitsandbytes.int8_scaled_mm.default, torch.ops.bitsandbytes.int8_mixed_scaled_mm.default}
+            bnb = torch.ops.bitsandbytes
+            self.free |= {bnb.int8_scaled_mm.default, bnb.int8_mixed_scaled_mm.default}
         except (ImportError, AttributeError):
             pass
 

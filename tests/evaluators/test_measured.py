@@ -176,6 +176,10 @@ PLANS = {
         checkpointing="full",
         fused_loss=True,
     ),
+    # LLM.int8 base weights: bitsandbytes' CPU path (MatMul8bitFp), checkpointed
+    "lora-8bit-ckpt": Plan(
+        method="lora-8bit", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, checkpointing="full"
+    ),
 }
 
 
@@ -240,6 +244,9 @@ def test_the_plan_s_techniques_are_really_applied(single_runs):
     spec = tiny("mistral-7b")
     assert eng["lora"]["trainable_params"] == spec.lora_params(8)
     assert eng["qlora-ckpt-fused"]["linear4bit"] == spec.num_layers * len(spec.linears())
+    assert eng["lora-8bit-ckpt"]["linear8bit"] == spec.num_layers * len(spec.linears())
+    assert eng["lora-8bit-ckpt"]["linear4bit"] == eng["lora"]["linear8bit"] == 0
+    assert eng["lora-8bit-ckpt"]["trainable_params"] == spec.lora_params(8)
     full, small = runs["full"][0].memory, runs["full-8bit-ckpt"][0].memory
     # checkpointing keeps only block inputs; 8-bit moments are a quarter of fp32's (plus small 32-bit tensors)
     assert small.activations < 0.6 * full.activations

@@ -110,6 +110,22 @@ def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
     print(f"{name}: measured {m.peak_allocated / MiB:.2f} MiB, analytic {gap:+.1%}, {wall:.1f} s")
 
 
+def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
+    """LLM.int8 base weights under DeepSpeed ZeRO-2 (ZeRO-3 and FSDP are refused): every block
+    Linear is bitsandbytes' Linear8bitLt on each rank, and the analytic peak is within its ±4%."""
+    ctx = ctx_for("2xcpu")
+    plan = Plan(method="lora-8bit", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2")
+    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    eng = r.extra["engine"]
+    spec = tiny("mistral-7b")
+    assert eng["distributed_type"] == "DEEPSPEED" and eng["zero_stage"] == 2 and eng["world_size"] == 2
+    assert eng["linear8bit"] == spec.num_layers * len(spec.linears())
+    assert eng["trainable_params"] == spec.lora_params(8)
+    gap = estimate(plan, ctx).memory.peak_allocated / r.memory.peak_allocated - 1
+    assert abs(gap) < 0.04, gap
+
+
 def test_a_hanging_child_times_out_and_leaves_no_process():
     # the hang ignores SIGTERM: the parent must escalate to SIGKILL
     ev = MeasuredEvaluator(timeout_s=12, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})

@@ -81,6 +81,11 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
         assert bnb.bnb_4bit_compute_dtype == runtime.half_dtype(plan)
         sharded = plan.engine == "fsdp" or plan.zero_stage == 3
         assert bnb.bnb_4bit_quant_storage == (runtime.half_dtype(plan) if sharded else torch.uint8)
+    elif plan.method is Method.LORA_8BIT:  # the runtime's Linear8bitLt: frozen int8 weights, its threshold
+        bnb = BitsAndBytesConfig(**args["quantization"])
+        assert bnb.load_in_8bit and not bnb.load_in_4bit and not bnb.llm_int8_has_fp16_weight
+        assert bnb.llm_int8_threshold == runtime.INT8_THRESHOLD
+        assert plan.engine != "fsdp" and plan.zero_stage < 3
     else:
         assert args["quantization"] is None
 
