@@ -111,12 +111,8 @@ def build_model(
             model = cls.from_config(cfg, dtype=lay.base_dtype)
         else:
             model = cls(cfg).to(lay.base_dtype)
-    if plan.method is Method.QLORA:
-        quantize_linears(model, spec, half_dtype(plan), device)
-    elif plan.method is Method.LORA_8BIT:
-        for _name, parent, child_name, child in _quant_targets(model, spec):
-            weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).contiguous()
-            setattr(parent, child_name, _linear8bit(weight, child.bias, device))
+    if plan.quantized:
+        quantize_linears(model, spec, half_dtype(plan), device, bits=8 if plan.method is Method.LORA_8BIT else 4)
     return _apply_plan(model, spec, plan)
 
 
@@ -147,8 +143,10 @@ def quantize_linears(
     compute_dtype: torch.dtype,
     device,
     quant_storage: torch.dtype | None = None,
+    bits: int = 4,
 ) -> None:
-    """Replace every block Linear (GPT-2: Conv1D) by a bitsandbytes NF4 Linear4bit (double-quantized).
+    """Replace every block Linear (GPT-2: Conv1D) by a bitsandbytes NF4 Linear4bit (double-quantized),
+    or with ``bits=8`` an LLM.int8 Linear8bitLt.
 
     Layer by layer, so a model is never held in 16-bit and 4-bit at once beyond one Linear.
     Modules are matched by the suffix of their qualified name, as PEFT matches
@@ -159,7 +157,10 @@ def quantize_linears(
     """
     for _name, parent, child_name, child in _quant_targets(model, spec):
         weight = (child.weight.data.t() if _is_conv1d(child) else child.weight.data).contiguous()
-        setattr(parent, child_name, _linear4bit(weight, child.bias, compute_dtype, device, quant_storage))
+        if bits == 8:
+            setattr(parent, child_name, _linear8bit(weight, child.bias, device))
+        else:
+            setattr(parent, child_name, _linear4bit(weight, child.bias, compute_dtype, device, quant_storage))
 
 
 def _is_conv1d(module: torch.nn.Module) -> bool:
