@@ -6,7 +6,7 @@ device (``bitsandbytes.autograd._functions.matmul``): in training on the CPU it 
 ``MatMul8bitFp`` (dequantize the weight, plain linear, save the input), which the CPU
 measured runs and the CPU simulation run as they are; on CUDA it is ``MatMul8bitLt``. The
 simulator traces a CUDA target on fake *CPU* tensors (docs/EVALUATORS.md), so
-:func:`cuda_matmul` routes ``bnb.matmul`` to ``MatMul8bitLt`` for the step, and
+:func:`cuda_matmul` routes ``bnb.matmul`` to ``MatMul8bitLt`` for a lora-8bit step, and
 :func:`cuda_decompositions` gives the tracker the Python each of its ops runs on CUDA in
 place of their fake kernels, so their temporaries are seen:
 
@@ -43,14 +43,18 @@ from autofit.evaluators.costs import int8_outlier_columns
 
 
 @contextlib.contextmanager
-def cuda_matmul() -> Iterator[None]:
+def cuda_matmul(enabled: bool = True) -> Iterator[None]:
     """``bnb.matmul`` as on a CUDA device in training: ``MatMul8bitLt`` (the CPU takes
     ``MatMul8bitFp``). ``Linear8bitLt.forward`` looks ``bnb.matmul`` up at each call.
+    ``enabled=False``: nothing changes (a trace that is not lora-8bit on CUDA).
 
     And peft's ``lora.bnb.Linear8bitLt`` asks ``torch.is_autocast_enabled()``, which without
     a device means CUDA: under CUDA autocast it leaves the adapters' input as it is, else it
     casts it to the adapters' fp32. The trace's CPU autocast stands in for CUDA's, so that
     question is answered by the CPU's state here."""
+    if not enabled:
+        yield
+        return
     import bitsandbytes as bnb
     from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
 

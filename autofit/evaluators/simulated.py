@@ -27,7 +27,7 @@ from autofit.evaluators import costs, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.evaluators.unroll import Depth
-from autofit.plan import Attention, Checkpointing, Offload, Plan
+from autofit.plan import Attention, Checkpointing, Method, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
@@ -709,7 +709,6 @@ def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDev
 def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, depth: Depth | None) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.evaluators import int8
     from autofit.evaluators import runtime as rt
 
     t0 = time.perf_counter()
@@ -731,7 +730,7 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     layers = unroll.decoder_layers(net, model.family.decoder_layer)
     context = unroll.LayerContext(layers, tr)
     # a CUDA target's LLM.int8 layers run MatMul8bitLt, not the CPU's MatMul8bitFp (evaluators/int8.py)
-    int8_path = int8.cuda_matmul() if target.kind == "cuda" else contextlib.nullcontext()
+    int8_path = rt.int8.cuda_matmul(target.kind == "cuda" and plan.method is Method.LORA_8BIT)
     with _value_decisions(), mode, tr, int8_path:
         _track_weights(tr, net, layers)
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
