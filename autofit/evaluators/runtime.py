@@ -351,10 +351,12 @@ def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         for st in (qs, qs.state2):
             if st is not None:
                 out += [t for t in (st.absmax, st.code, st.offset) if isinstance(t, torch.Tensor)]
+    seen = {id(t) for t in out}
     for m in model.modules():
         for holder in (getattr(m, "weight", None), getattr(m, "state", None)):
             scb = getattr(holder, "SCB", None) if type(holder).__name__ in ("Int8Params", "MatmulLtState") else None
-            if isinstance(scb, torch.Tensor) and not any(scb is t for t in out):
+            if isinstance(scb, torch.Tensor) and id(scb) not in seen:
+                seen.add(id(scb))
                 out.append(scb)
     return out
 

@@ -98,7 +98,7 @@ def test_the_search_offers_lora_8bit_only_where_allowed_and_never_sharded():
     ctx = build_context("mistral-7b", "2xA10")
     default = list(SearchSpace(ctx).enumerate())
     assert not any(p.method is Method.LORA_8BIT for p in default)
-    allowed = [p for p in SearchSpace(ctx, Allowed.parse(methods="lora-8bit")).enumerate()]
+    allowed = list(SearchSpace(ctx, Allowed.parse(methods="lora-8bit")).enumerate())
     assert allowed and all(p.method is Method.LORA_8BIT for p in allowed)
     assert {p.sharding for p in allowed} == {Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2}
     assert {p.precision.value for p in allowed} == {"bf16-mixed"}
