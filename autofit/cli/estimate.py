@@ -86,7 +86,7 @@ def estimate(
     for warning in ctx_warnings(ctx):
         term.print(f"[yellow]warning[/yellow]: {warning}")
     if as_json:
-        click.echo(console.dumps({**result.as_dict(), **console.cluster_dict(ctx.cluster)}))
+        click.echo(console.dumps({**result.as_dict(), **console.cluster_dict(ctx.cluster, ctx.model)}))
     elif result.memory is None:  # a measured run that failed, timed out or could not run here
         term.print(f"[red]{result.status.value}[/red]: {result.reason}")
     else:

@@ -46,11 +46,11 @@ def show(study, db_url, as_json):
     standing = standing_of([t.result() for t in trials], ctx)
     if as_json:
         data = {"study": rec.as_dict(), "trials": [t.as_dict() for t in trials], "standing": standing.as_dict()}
-        click.echo(console.dumps({**data, **console.cluster_dict(ctx.cluster)}))
+        click.echo(console.dumps({**data, **console.cluster_dict(ctx.cluster, ctx.model)}))
         return
     term = console.terminal()
     term.print(console.study_header(rec))
-    console.print_assumptions(term, ctx.cluster)
+    console.print_assumptions(term, ctx.cluster, ctx.model)
     term.print(console.trials_table(trials, standing.best))
     console.print_answer(term, standing, rec.allowed.get("methods") or [])
     term.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
@@ -85,10 +85,11 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
         )
         sys.exit(1)
     result = store.trial_result(rec)
-    judged_on = store.get_study(rec.study_id).context().cluster  # what the stored answer assumed
+    judged = store.get_study(rec.study_id).context()  # what the stored answer assumed
+    judged_on = judged.cluster
     if as_json:
         data = {**result.as_dict(), "study_id": rec.study_id, "trial": rec.number}
-        click.echo(console.dumps({**data, **console.cluster_dict(judged_on)}))
+        click.echo(console.dumps({**data, **console.cluster_dict(judged_on, judged.model)}))
         return
     term = console.terminal()
     term.print(
@@ -96,7 +97,7 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
         f"({result.evaluator}, study {rec.study_id}, trial {rec.number})"
     )
     term.print(console.anatomy_table(result))
-    console.print_assumptions(term, judged_on)
+    console.print_assumptions(term, judged_on, judged.model)
 
 
 @click.command(name="export")

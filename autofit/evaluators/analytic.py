@@ -332,6 +332,53 @@ def _gated_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
     return f.mlp_out, "prod", n2
 
 
+def _moe_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
+    """A sparse MoE block (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``) after the second
+    norm, as transformers' ``grouped_mm_experts_forward`` saves it for each of the ``k`` rows a
+    token is routed to (``evaluators/moe.py``). The experts run in the weights' dtype (the input
+    is cast to it: fp32 master weights under autocast make them fp32): the gate/up output (its
+    halves are what SiLU and the product save), SiLU's output, and the down projection's output,
+    which the routing weights' product saves for their gradient; with trainable experts also the
+    gathered input and the product (the grouped GEMMs' inputs, for the weight gradients). The
+    router: its input (a trainable router only), the fp32 softmax, the top-k indices and
+    weights; the expert order (``perm``, ``perm // k``, the inverse permutation), int64."""
+    saved, c, h = s.saved, s.c, s.h
+    k, e, w, ce = model.experts_per_token, model.num_experts, model.expert_width, s.r
+    n2, n2_bytes = "n2", s.norm("ln2", s.r)
+    if s.full:  # the router's weight gradient reads its input (autocast's 16-bit copy under autocast)
+        if s.autocast and n2_bytes != c:
+            saved["router.cast"] = h * c
+        else:
+            saved[n2] = h * n2_bytes
+    saved["router.probs"] = 4 * e
+    saved["router.topk"] = k * (8 + 4) + 4  # indices, the top weights and their sum (norm_topk)
+    saved["experts.order"] = 3 * 8 * k + 4 * k  # perm, perm // k, the inverse; the sorted weights
+    saved["gate_up"] = 2 * w * k * ce
+    saved["act"] = w * k * ce
+    saved["experts.out"] = h * k * ce
+    if s.full:
+        saved["experts.in"] = h * k * ce
+        saved["prod"] = w * k * ce
+    return "experts.down", "prod", n2
+
+
+def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, float]:
+    """Bytes per token an MoE block holds beyond its saves while its experts run backward and
+    forward (``grouped_mm_experts_forward``'s locals live until it returns). Forward, at the
+    inverse permutation of the weighted output: the residual, the norm's output where nothing
+    saves it, the gathered input where the grouped GEMM does not save it (or saves its cast),
+    the fp32 weighted output before and after the permutation (the routing weights are fp32),
+    and the int64 sorted ids, inverse permutation and its arange. Backward, at the gate/up
+    GEMM's: the gradients of the down output (fp32 and its cast), of SiLU's output, of gate
+    and up, and of their concatenation."""
+    h, c, ce, r = s.h, s.c, s.r, s.r
+    k, w = model.experts_per_token, model.expert_width
+    gathered = 0.0 if "experts.in" in s.saved and ce == c else k * h * c
+    fwd = h * r + (0.0 if norm_out in s.saved else h * c) + gathered + 2 * k * h * 4 + 3 * 8 * k
+    bwd = k * (h * (4 + ce) + w * ce + 2 * w * ce + 2 * w * ce)
+    return bwd, fwd
+
+
 def _plain_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
     """The GPT-2/BERT/BLOOM MLP half after attention (with BERT's post-attention norm,
     which feeds it); returns the names as ``_gated_mlp`` does."""
@@ -413,7 +460,9 @@ def block_activations(
     else:
         _learned_position_attention(s, model, masked)
     before_mlp = s.total()
-    if f.gated_mlp:
+    if f.moe:
+        down, prod, norm_out = _moe_mlp(s, model)
+    elif f.gated_mlp:
         down, prod, norm_out = _gated_mlp(s, model)
     elif f.parallel_residual:
         down, prod, norm_out = _parallel_mlp(s, model, ln1)
@@ -438,7 +487,9 @@ def _block_summary(
     # input), the norm's output and the product when nothing saves them, the projection's
     # output, and PEFT's fp32 copy of its input under autocast (not modelled for post-norm)
     mlp_fwd_tok = 0.0
-    if f.norm_position != "post":
+    if f.moe:
+        bwd_tok, mlp_fwd_tok = _moe_transients(s, model, norm_out)
+    elif f.norm_position != "post":
         mlp_fwd_tok = (
             h * (c if f.parallel_residual else r)
             + (0.0 if norm_out in saved else h * c)
@@ -986,6 +1037,11 @@ KERNELS_HEAD = 10  # head, loss and its backward, each way
 # Kernels Liger's fused RMSNorm, SwiGLU and RoPE save a block, counted the same way (bf16,
 # sdpa: 40 -> 15 forward, 73 -> 29 backward; under autocast 50 -> 27 and 89 -> 41)
 KERNELS_FUSED_FWD, KERNELS_FUSED_BWD = 24, 44
+# ... and what an MoE block (grouped_mm_experts_forward) issues beyond a dense one, counted the
+# same way on tiny Mixtral against Mistral (bf16): the router's softmax, top-k and
+# renormalization, the sort, gathers, histogram and offsets, the inverse permutation and the
+# weighted sum (38 -> 57 forward, 71 -> 95 backward)
+KERNELS_MOE_FWD, KERNELS_MOE_BWD = 19, 24
 
 
 def step_work(
@@ -1031,6 +1087,8 @@ def step_work(
     k_bwd = KERNELS_BWD + q_k_bwd + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
     if plan.fused_kernels:
         k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
+    if model.family.moe:
+        k_fwd, k_bwd = k_fwd + KERNELS_MOE_FWD, k_bwd + KERNELS_MOE_BWD
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
@@ -1128,7 +1186,7 @@ def _gemms(model: ModelSpec, plan: Plan, tokens: float, elem_bytes: int) -> tupl
     def gemm(i: float, o: float, count: float) -> Gemm:
         return (2 * T * i * o, (T * i + i * o + T * o) * elem_bytes, min(T, i, o), count)
 
-    block = [gemm(i, o, L) for _, i, o, _ in model.linears()]
+    block = [gemm(i, o, L) for _, i, o, _ in model.linears()] + _expert_gemms(model, T, elem_bytes)
     head = [gemm(model.hidden_size, model.vocab_size, 1)]
     if model.family.task == "masked-lm":
         head.append(gemm(model.hidden_size, model.hidden_size, 1))
@@ -1139,6 +1197,21 @@ def _gemms(model: ModelSpec, plan: Plan, tokens: float, elem_bytes: int) -> tupl
             if plan.lora_targets.covers(part):
                 adapters += [gemm(i, r, L), gemm(r, o, L)]
     return block, head, adapters
+
+
+def _expert_gemms(model: ModelSpec, tokens: float, elem_bytes: int) -> list[Gemm]:
+    """An MoE block's forward GEMMs over ``tokens``: the router's, and each expert's gate/up and
+    down projection of its share of the ``tokens × k`` routed rows, under the balanced routing
+    (``evaluators/moe.py``) as the simulator prices ``torch._grouped_mm``."""
+    if not model.family.moe:
+        return []
+    L, h, e, w = model.num_layers, model.hidden_size, model.num_experts, model.expert_width
+    m = tokens * model.experts_per_token / e  # rows per expert
+
+    def gemm(rows: float, i: float, o: float, count: float) -> Gemm:
+        return (2 * rows * i * o, (rows * i + i * o + rows * o) * elem_bytes, min(rows, i, o), count)
+
+    return [gemm(tokens, h, e, L), gemm(m, h, 2 * w, L * e), gemm(m, w, h, L * e)]
 
 
 def attention_kernel(model: ModelSpec, plan: Plan, workload: Workload, cluster) -> str:
@@ -1192,5 +1265,6 @@ class AnalyticEvaluator(Evaluator):
                 "peak_phase": est.peak_phase,
                 "time_error": timing.time_error(self.name),
                 **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes),
+                **({"routing": ctx.model.routing_assumption} if ctx.model.family.moe else {}),
             },
         )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.errors import AutofitError
-from autofit.evaluators import costs, timing, unroll
+from autofit.evaluators import costs, moe, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.evaluators.unroll import Depth
@@ -523,6 +523,8 @@ class _OpCounter:
             flops = 2.0 * a.numel() * args[2][0]
         elif packet.__name__ == "int8_linear_matmul":  # LLM.int8's GEMM: A (tokens × in) · B (out × in)ᵀ
             flops = 2.0 * args[0].numel() * args[1].shape[0]
+        elif packet.__name__ == "_grouped_mm":  # an MoE block's experts (evaluators/moe.py)
+            flops = moe.grouped_mm_flops(args, out)
         return flops
 
     def gemm_dim(self, func, args) -> float:
@@ -538,6 +540,8 @@ class _OpCounter:
         elif name == "int8_linear_matmul":
             a = args[0]
             return float(min(a.numel() // a.shape[-1], a.shape[-1], args[1].shape[0]))
+        elif name == "_grouped_mm":
+            return moe.grouped_mm_dim(args)
         else:
             return 0.0
         return float(min(a.shape[-2], a.shape[-1], b.shape[-1]))
@@ -725,7 +729,8 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
     fakes, scale = _fake_steps(built, traced, workload, mode, flash2)
     tokens = int(fakes[1][0]["input_ids"].numel())
     # bitsandbytes' gemm_4bit dequantizes the whole weight above 1536 rows on CUDA, always on the CPU
-    tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=rt.bnb_decompositions(target.kind))
+    decompositions = {**rt.bnb_decompositions(target.kind), **moe.fake_decompositions()}
+    tr = tracer_class()(last_step=1, attn_flop_scale=scale, decompositions=decompositions)
     kernels = (lambda: cuda_kernels_mode()(target.capability)) if target.kind == "cuda" else None
     layers = unroll.decoder_layers(net, model.family.decoder_layer)
     context = unroll.LayerContext(layers, tr)
@@ -1100,6 +1105,7 @@ class SimulatedEvaluator(Evaluator):
                 "target_kernels": f"{target.kind}"
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
                 **costs.fit_margin_extra(margin, mem, ctx.budget_bytes),
+                **({"routing": ctx.model.routing_assumption} if ctx.model.family.moe else {}),
                 **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )

@@ -90,7 +90,7 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
         )
     if m.host_bytes:
         console.print(f"host memory per node: {gib(m.host_bytes)} GiB of {gib(ctx.cluster.host_memory_bytes)} GiB")
-    print_assumptions(console, ctx.cluster)
+    print_assumptions(console, ctx.cluster, ctx.model)
     if result.throughput:
         t = result.throughput
         console.print(
@@ -99,15 +99,22 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
         )
 
 
-def print_assumptions(console: Console, cluster) -> None:
-    """What the cluster's figures assume (host memory, a custom GPU's rates): every answer says it."""
-    for line in cluster.assumptions():
+def assumptions(cluster, model=None) -> list[str]:
+    """What an answer's figures assume rather than know: the cluster's (host memory, a custom
+    GPU's rates) and the model's (an MoE router's spread)."""
+    routing = model.routing_assumption if model is not None else ""
+    return [*cluster.assumptions(), *([routing] if routing else [])]
+
+
+def print_assumptions(console: Console, cluster, model=None) -> None:
+    """What the answer assumes (:func:`assumptions`): every answer says it."""
+    for line in assumptions(cluster, model):
         console.print(f"[yellow]assumed[/yellow]: {line}", highlight=False)
 
 
-def cluster_dict(cluster) -> dict[str, Any]:
-    """The cluster of an answer, for ``--json``: its stored form and what it assumes."""
-    return {"cluster": cluster.as_dict(), "assumptions": list(cluster.assumptions())}
+def cluster_dict(cluster, model=None) -> dict[str, Any]:
+    """The cluster of an answer, for ``--json``: its stored form and what the answer assumes."""
+    return {"cluster": cluster.as_dict(), "assumptions": assumptions(cluster, model)}
 
 
 def gpus_table(gpus: Iterable[GPUSpec]) -> Table:
@@ -431,7 +438,7 @@ def outcome_dict(outcome, exported: list, standing=None) -> dict[str, Any]:
         "exported": [str(p) for p in exported],
     }
     if standing is not None:
-        data.update(cluster_dict(standing.ctx.cluster))
+        data.update(cluster_dict(standing.ctx.cluster, standing.ctx.model))
         data["runners_up"] = [r.as_dict() for r in standing.runners_up()]
         data["losses"] = [loss.as_dict() for loss in standing.losses]
     return data
@@ -570,7 +577,7 @@ def print_outcome(console: Console, outcome, standing, request, exported: list, 
             f"[yellow]the space is exhausted[/yellow]: all {len({r.plan.plan_id for r in outcome.results})} "
             f"plans of the space were evaluated, fewer than the budget of {request.trials}"
         )
-    print_assumptions(console, request.ctx.cluster)
+    print_assumptions(console, request.ctx.cluster, request.ctx.model)
     print_answer(console, standing, [m.value for m in request.allowed.methods], outcome.advice)
     if exported:
         console.print(f"configs for the winner: {', '.join(str(p) for p in exported)}")

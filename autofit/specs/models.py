@@ -106,6 +106,16 @@ class Family:
     # an RMSNorm over each head of q and of k before RoPE, one weight of head_dim each (Qwen3:
     # ``Qwen3Attention.forward`` in transformers' modeling_qwen3.py)
     qk_norm: bool = False
+    # a sparse mixture-of-experts MLP in every block (transformers' ``*SparseMoeBlock``): the
+    # config keys of the expert count and of the experts each token is routed to, and of the
+    # expert width ("": intermediate_size). "" for a dense MLP. The experts are 3-D parameters
+    # (``MixtralExperts.gate_up_proj``: experts x 2·width x hidden, ``down_proj``: experts x
+    # hidden x width) run by ``integrations.moe.grouped_mm_experts_forward``, and the router a
+    # plain parameter (``MixtralTopKRouter.weight``: experts x hidden): none of them is an
+    # ``nn.Linear``, so LoRA, bitsandbytes and autocast leave them as they are.
+    experts_key: str = ""
+    top_k_key: str = ""
+    expert_width_key: str = ""
 
     def config_key(self, name: str) -> str:
         """The config field under its llama ``name``, as this family's config names it ("": none)."""
@@ -132,6 +142,16 @@ class Family:
     def fused_qkv(self) -> bool:
         """One qkv projection (phi3, gpt2)."""
         return len(self.attn_in) == 1
+
+    @property
+    def moe(self) -> bool:
+        """Every block's MLP is a routed mixture of experts."""
+        return bool(self.experts_key)
+
+    @property
+    def moe_keys(self) -> tuple[str, ...]:
+        """The config keys an MoE model states in ``hf_extra``: experts, experts per token, width."""
+        return tuple(k for k in (self.experts_key, self.top_k_key, self.expert_width_key) if k)
 
 
 _LLAMA_LIKE = dict(
@@ -164,6 +184,40 @@ FAMILIES: dict[str, Family] = {
         ),
         # Qwen3 (dense; modeling_qwen3.py): llama's block without biases, with per-head q/k RMSNorm
         Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", **_LLAMA_LIKE, qk_norm=True),
+        # Mixtral (modeling_mixtral.py): mistral's attention, and a MixtralSparseMoeBlock for the
+        # MLP: a top-k router over num_local_experts SwiGLU experts as wide as intermediate_size.
+        # Router jitter and the load-balancing loss (output_router_logits) are refused: they add
+        # tensors the estimators do not model.
+        Family(
+            "mixtral",
+            "MixtralConfig",
+            "MixtralDecoderLayer",
+            **{**_LLAMA_LIKE, "mlp_in": (), "mlp_out": "", "liger": False},
+            experts_key="num_local_experts",
+            top_k_key="num_experts_per_tok",
+            config_fixed={
+                "router_jitter_noise": (0.0, (None, 0, 0.0)),
+                "output_router_logits": (False, (None, False)),
+            },
+        ),
+        # Qwen3-MoE (modeling_qwen3_moe.py): Qwen3's attention (q/k norms) and Qwen3MoeSparseMoeBlock
+        # in every layer (decoder_sparse_step 1, no mlp_only_layers): num_experts experts of
+        # moe_intermediate_size, top-k weights renormalized (norm_topk_prob)
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "Qwen3MoeDecoderLayer",
+            **{**_LLAMA_LIKE, "mlp_in": (), "mlp_out": "", "liger": False},
+            qk_norm=True,
+            experts_key="num_local_experts",  # config.json's num_experts (Qwen3MoeConfig.attribute_map)
+            top_k_key="num_experts_per_tok",
+            expert_width_key="moe_intermediate_size",
+            config_fixed={
+                "decoder_sparse_step": (1, (None, 1)),
+                "mlp_only_layers": ([], (None, [])),
+                "output_router_logits": (False, (None, False)),
+            },
+        ),
         Family(
             "gemma2",
             "Gemma2Config",
@@ -402,6 +456,10 @@ class _Targets(Protocol):
     def covers(self, part: str) -> bool: ...
 
 
+# The routing assumption of the MoE estimates (evaluators/moe.py): transformers drops no token,
+# so memory does not depend on it; the experts' GEMM sizes, and so their time, do.
+ROUTING = "balanced top-k, capacity factor 1: tokens x k / experts rows per expert, none dropped"
+
 # Upper bounds of the size fields, several times the largest published config of each
 # (Llama-3.1-405B: hidden 16,384, 126 layers, 128 heads, intermediate 53,248; Gemma: a
 # 256,000 vocabulary; Llama-4 Scout: 10M positions). A number beyond them is a typo, and
@@ -492,7 +550,7 @@ class ModelSpec:
             p = extra.get(key)
             if p is not None and not (_is_number(p) and 0 <= p < 1):
                 out.append(f"{key} must be a probability in [0, 1), got {p!r}")
-        return out
+        return out + _moe_problems(f, extra)
 
     @property
     def family(self) -> Family:
@@ -541,6 +599,34 @@ class ModelSpec:
         extra = dict(self.hf_extra)
         return frozenset(kind for key, kinds in f.dropout_keys.items() if extra.get(key) for kind in kinds)
 
+    # -- mixture of experts ------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per block (0: a dense MLP)."""
+        return int(dict(self.hf_extra)[self.family.experts_key]) if self.family.moe else 0
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token is routed to (top-k; 0: a dense MLP)."""
+        return int(dict(self.hf_extra)[self.family.top_k_key]) if self.family.moe else 0
+
+    @property
+    def routing_assumption(self) -> str:
+        """What the estimators assume of an MoE model's router, which fake tensors cannot
+        follow ("" for a dense model; evaluators/moe.py says why this one)."""
+        if not self.family.moe:
+            return ""
+        return (
+            f"MoE routing: each token to {self.experts_per_token} of {self.num_experts} experts, spread evenly "
+            f"({ROUTING})"
+        )
+
+    @property
+    def expert_width(self) -> int:
+        """One expert's MLP width (Mixtral: intermediate_size; Qwen3-MoE: moe_intermediate_size)."""
+        key = self.family.expert_width_key
+        return int(dict(self.hf_extra)[key]) if key else self.intermediate_size
+
     @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
@@ -566,7 +652,10 @@ class ModelSpec:
             n += self.q_dim + 2 * self.kv_dim
         if f.out_bias:
             n += h
-        n += (3 if f.gated_mlp else 2) * h * i
+        if f.moe:  # the router, and each expert's gate_up_proj and down_proj
+            n += self.num_experts * (h + 3 * h * self.expert_width)
+        else:
+            n += (3 if f.gated_mlp else 2) * h * i
         if f.mlp_bias:
             n += (2 * i + h) if f.gated_mlp else (i + h)
         n += f.norms_per_layer * (h if f.norm == "rmsnorm" else 2 * h)
@@ -606,7 +695,7 @@ class ModelSpec:
         else:
             mlp_in = [(n, h, i) for n in f.mlp_in]
         attention = qkv + [(f.attn_out, self.q_dim, h)]
-        mlp = mlp_in + [(f.mlp_out, i, h)]
+        mlp = [] if f.moe else mlp_in + [(f.mlp_out, i, h)]  # experts and router are no Linear
         return [(n, a, b, "attention") for n, a, b in attention] + [(n, a, b, "mlp") for n, a, b in mlp]
 
     def linear_params(self) -> int:
@@ -624,6 +713,9 @@ class ModelSpec:
     def matrix_shapes(self) -> list[tuple[int, int, int]]:
         """``(count, rows, cols)`` of every 2-D parameter (Linear weights and embeddings)."""
         shapes = [(self.num_layers, o, i) for _, i, o, _ in self.linears()]
+        if self.family.moe:  # each expert's two matrices (what Adafactor factors), and the router
+            e, w, h = self.num_layers * self.num_experts, self.expert_width, self.hidden_size
+            shapes += [(e, 2 * w, h), (e, h, w), (self.num_layers, self.num_experts, h)]
         shapes.append((1, self.vocab_size, self.hidden_size))
         if self.family.positions == "learned":
             shapes.append((1, self.max_position_embeddings, self.hidden_size))
@@ -835,7 +927,49 @@ def _config_extra(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[st
             raise SpecError(f"{where}: {key!r} must be a probability in [0, 1), got {_shown(p)}; fix it in the config")
         if p:
             extra.append((key, p))
-    return tuple(extra) + _config_rope_scaling(d, f, where)
+    return tuple(extra) + _config_moe(d, f, where) + _config_rope_scaling(d, f, where)
+
+
+def _config_moe(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[str, Any], ...]:
+    """An MoE config's expert count, experts per token and expert width, which the routing
+    needs: a config that leaves one out (the config class would fill in a default that may
+    not be the model's) or states nonsense is refused in one line."""
+    out = []
+    for key in f.moe_keys:
+        # transformers 5 names the expert count num_local_experts in every MoE config; Qwen's files say num_experts
+        value = d.get(key, d.get("num_experts") if key == "num_local_experts" else None)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            stated = "missing" if value is None else f"{_shown(value)} ({_json_type(value)})"
+            raise SpecError(
+                f"{where}: {key!r} is {stated}; a {f.model_type} mixture-of-experts config must state it as a "
+                "positive integer (autofit routes each token to the top-k of the experts, spread evenly)"
+            )
+        out.append((key, value))
+    if f.moe and d.get("norm_topk_prob") is not None:
+        out.append(("norm_topk_prob", bool(d["norm_topk_prob"])))
+    problems = _moe_problems(f, dict(out))
+    if problems:
+        raise SpecError(f"{where}: {problems[0]}; fix it in the config")
+    return tuple(out)
+
+
+def _moe_problems(f: Family, extra: Mapping[str, Any]) -> list[str]:
+    """What an MoE spec's routing fields must satisfy (nothing for a dense family)."""
+    if not f.moe:
+        return []
+    missing = [k for k in f.moe_keys if not (isinstance(extra.get(k), int) and extra[k] > 0)]
+    if missing:
+        return [f"{f.model_type} needs {', '.join(missing)} (positive integers) in hf_extra"]
+    if extra[f.top_k_key] > extra[f.experts_key]:
+        return [
+            f"{f.top_k_key} ({extra[f.top_k_key]}) exceeds {f.experts_key} ({extra[f.experts_key]}): "
+            "a token cannot be routed to more experts than there are"
+        ]
+    if extra[f.experts_key] > 2**12:
+        return [f"{f.experts_key} {extra[f.experts_key]:,} is beyond the {2**12:,} any real model has"]
+    return []
 
 
 def _config_rope_scaling(d: Mapping[str, Any], f: Family, where: str) -> tuple[tuple[str, Any], ...]:
@@ -1453,6 +1587,81 @@ _REGISTRY: list[dict[str, Any]] = [
         max_position_embeddings=512,
         tie_word_embeddings=True,
         n_params=335_174_458,
+    ),
+    # mixture-of-experts models: the routing fields ride in hf_extra under the config's names
+    dict(
+        name="mixtral-8x7b",
+        source="mistralai/Mixtral-8x7B-v0.1",
+        model_type="mixtral",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        n_params=46_702_792_704,
+        hf_extra=(("num_local_experts", 8), ("num_experts_per_tok", 2)),
+    ),
+    dict(
+        name="mixtral-8x22b",
+        source="mistralai/Mixtral-8x22B-v0.1",
+        model_type="mixtral",
+        hidden_size=6144,
+        num_layers=56,
+        num_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=16384,
+        vocab_size=32768,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+        n_params=140_630_071_296,
+        hf_extra=(("num_local_experts", 8), ("num_experts_per_tok", 2)),
+    ),
+    dict(
+        name="qwen3-30b-a3b",
+        source="Qwen/Qwen3-30B-A3B",
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        n_params=30_532_122_624,
+        hf_extra=(
+            ("num_local_experts", 128),
+            ("num_experts_per_tok", 8),
+            ("moe_intermediate_size", 768),
+            ("norm_topk_prob", True),
+        ),
+    ),
+    dict(
+        name="qwen3-235b-a22b",
+        source="Qwen/Qwen3-235B-A22B",
+        model_type="qwen3_moe",
+        hidden_size=4096,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        n_params=235_093_634_560,
+        hf_extra=(
+            ("num_local_experts", 128),
+            ("num_experts_per_tok", 8),
+            ("moe_intermediate_size", 1536),
+            ("norm_topk_prob", True),
+        ),
     ),
 ]
 
