@@ -141,6 +141,24 @@ def dtype_layout(plan: Plan) -> DtypeLayout:
 
 
 # -- LoRA --------------------------------------------------------------------------------
+def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
+    """What a result on an MoE model states beside its figures (``TrialResult.extra``): the
+    routing it assumes, and for 8- or 4-bit base weights that bitsandbytes replaces only
+    ``nn.Linear`` layers, so transformers 5's fused 3-D experts stay in 16-bit
+    (``transformers.integrations.bitsandbytes.replace_with_bnb_linear``; bitsandbytes issue
+    #1849): QLoRA saves the attention's weights, not the experts'."""
+    if not spec.family.moe:
+        return {}
+    notes = {"routing": spec.routing_assumption}
+    if plan.quantized:
+        experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.expert_width
+        notes["note"] = (
+            f"bitsandbytes quantizes nn.Linear layers only: the {experts / 1e9:.1f}B expert parameters stay 16-bit "
+            f"under {plan.method.value} (transformers 5 keeps them as fused 3-D tensors; bitsandbytes issue #1849)"
+        )
+    return notes
+
+
 def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
     """The Linear layers LoRA adapts, named as PEFT matches them (suffixes of module names)."""
     return [n for n, _, _, part in spec.linears() if plan.lora_targets.covers(part)]

@@ -34,7 +34,7 @@ from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
-from autofit.techniques import checkpointed_layers, dtype_layout
+from autofit.techniques import checkpointed_layers, dtype_layout, model_notes
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class _Block:
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
     held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
+    # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
+    # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
+    recompute_cut: float = 0.0
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -362,7 +365,7 @@ def _moe_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
     return "experts.down", "prod", n2
 
 
-def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, float]:
+def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, float, float]:
     """Bytes per token an MoE block holds beyond its saves while its experts run backward and
     forward (``grouped_mm_experts_forward``'s locals live until it returns). Forward, at the
     inverse permutation of the weighted output: the residual, the norm's output where nothing
@@ -370,13 +373,14 @@ def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, 
     the fp32 weighted output before and after the permutation (the routing weights are fp32),
     and the int64 sorted ids, inverse permutation and its arange. Backward, at the gate/up
     GEMM's: the gradients of the down output (fp32 and its cast), of SiLU's output, of gate
-    and up, and of their concatenation."""
+    and up, and of their concatenation. A recompute stops at the permutation's save of its
+    index, before the permuted copy (the third figure: what it never makes)."""
     h, c, ce, r = s.h, s.c, s.r, s.r
     k, w = model.experts_per_token, model.expert_width
     gathered = 0.0 if "experts.in" in s.saved and ce == c else k * h * c
     fwd = h * r + (0.0 if norm_out in s.saved else h * c) + gathered + 2 * k * h * 4 + 3 * 8 * k
     bwd = k * (h * (4 + ce) + w * ce + 2 * w * ce + 2 * w * ce)
-    return bwd, fwd
+    return bwd, fwd, k * h * 4
 
 
 def _plain_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
@@ -486,9 +490,9 @@ def _block_summary(
     # add (a parallel block keeps attention's output instead: its residual is the block
     # input), the norm's output and the product when nothing saves them, the projection's
     # output, and PEFT's fp32 copy of its input under autocast (not modelled for post-norm)
-    mlp_fwd_tok = 0.0
+    mlp_fwd_tok = cut = 0.0
     if f.moe:
-        bwd_tok, mlp_fwd_tok = _moe_transients(s, model, norm_out)
+        bwd_tok, mlp_fwd_tok, cut = _moe_transients(s, model, norm_out)
     elif f.norm_position != "post":
         mlp_fwd_tok = (
             h * (c if f.parallel_residual else r)
@@ -524,6 +528,7 @@ def _block_summary(
         attn_bwd_quad,
         mlp_fwd_tok,
         held_tok,
+        cut,
     )
 
 
@@ -608,7 +613,11 @@ def adafactor_step_bytes(model: ModelSpec, plan: Plan, elem_bytes: int) -> float
             emb.append(model.max_position_embeddings * model.hidden_size)
         # 0: a norm's vector between two matrices (GPT-2/BERT's first LayerNorm, the final norm)
         sep = [0] if model.family.norm == "layernorm" else []
-        sizes = emb + sep + [i * o for _, i, o, _ in model.linears()] * min(L, 2)
+        layer = [i * o for _, i, o, _ in model.linears()]
+        if model.family.moe:  # then the router, and the experts' gate_up_proj and down_proj, whole
+            e, h, w = model.num_experts, model.hidden_size, model.expert_width
+            layer += [e * h, e * 2 * w * h, e * h * w]
+        sizes = emb + sep + layer * min(L, 2)
         if not model.tie_word_embeddings:
             sizes += [0, model.vocab_size * model.hidden_size]
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
@@ -947,7 +956,7 @@ def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_bloc
     """A block being recomputed in backward, in the middle of its MLP: what it saves so far
     plus the MLP's forward transients (counted as activations: they are recomputed); the last
     checkpointed block's (``in_blocks``: what is saved then), and with full checkpointing the first's."""
-    mlp_fwd = t_mem * blk.mlp_fwd_tok
+    mlp_fwd = t_mem * (blk.mlp_fwd_tok - blk.recompute_cut)
     incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
     last = {
         "block-recompute": {
@@ -1083,12 +1092,7 @@ def step_work(
     # autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute);
     # backward casts the 16-bit weight gradients back to fp32
     casts = (model.linear_params() + head_params) * 6 if lay.autocasts and full else 0.0
-    k_fwd = KERNELS_FWD + q_k_fwd + (KERNELS_AUTOCAST_FWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
-    k_bwd = KERNELS_BWD + q_k_bwd + (KERNELS_AUTOCAST_BWD if lay.autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
-    if plan.fused_kernels:
-        k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
-    if model.family.moe:
-        k_fwd, k_bwd = k_fwd + KERNELS_MOE_FWD, k_bwd + KERNELS_MOE_BWD
+    k_fwd, k_bwd = _block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd)
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
@@ -1126,6 +1130,19 @@ def step_work(
         transfers=costs.transfer_work(plan, model, cluster, sb, offloaded),
         model_flops=plan.grad_accum * model_flops,
     )
+
+
+def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: int, q_fwd: int, q_bwd: int) -> tuple[int, int]:
+    """Kernels one block issues forward and backward (the ``KERNELS_*`` counts; ``q_*``: the
+    quantized weights', ``_quantized_work``)."""
+    autocasts = dtype_layout(plan).autocasts
+    k_fwd = KERNELS_FWD + q_fwd + (KERNELS_AUTOCAST_FWD if autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    k_bwd = KERNELS_BWD + q_bwd + (KERNELS_AUTOCAST_BWD if autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
+    if plan.fused_kernels:
+        k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
+    if model.family.moe:
+        k_fwd, k_bwd = k_fwd + KERNELS_MOE_FWD, k_bwd + KERNELS_MOE_BWD
+    return k_fwd, k_bwd
 
 
 def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, int, int]:
@@ -1265,6 +1282,6 @@ class AnalyticEvaluator(Evaluator):
                 "peak_phase": est.peak_phase,
                 "time_error": timing.time_error(self.name),
                 **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes),
-                **({"routing": ctx.model.routing_assumption} if ctx.model.family.moe else {}),
+                **model_notes(ctx.model, plan),
             },
         )

@@ -31,6 +31,7 @@ from autofit.plan import Attention, Checkpointing, Method, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
+from autofit.techniques import model_notes
 
 FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
 CACHE_SIZE = 64
@@ -1105,7 +1106,7 @@ class SimulatedEvaluator(Evaluator):
                 "target_kernels": f"{target.kind}"
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
                 **costs.fit_margin_extra(margin, mem, ctx.budget_bytes),
-                **({"routing": ctx.model.routing_assumption} if ctx.model.family.moe else {}),
+                **model_notes(ctx.model, plan),
                 **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )

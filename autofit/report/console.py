@@ -79,6 +79,8 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
     console.print(f"bottleneck: {m.bottleneck}")
+    if result.extra and result.extra.get("note"):
+        console.print(f"[yellow]note[/yellow]: {result.extra['note']}", highlight=False)
     cal = result.extra.get("calibration") if result.extra else None
     if cal:
         raw = result.extra["raw"]

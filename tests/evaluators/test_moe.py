@@ -189,6 +189,14 @@ def test_analytic_agrees_with_simulated_on_moe(family, plan):
     assert sim.extra["routing"] == spec.routing_assumption
 
 
+def estimate_cli(cli, args: list[str]) -> dict:
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(cli, ["estimate", "--gpus", "1xH100", "--evaluator", "analytic", "--json", *args])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
 def test_every_answer_states_the_routing_and_liger_blocks_are_refused():
     from click.testing import CliRunner
 
@@ -202,6 +210,10 @@ def test_every_answer_states_the_routing_and_liger_blocks_are_refused():
     )
     data = json.loads(out.output)
     assert data["extra"]["routing"] in data["assumptions"]
+    # 8- and 4-bit base weights leave the experts 16-bit, and the answer says so
+    qlora = estimate_cli(cli, ["--model", "mixtral-8x7b", "--method", "qlora", "--checkpointing", "full"])
+    assert "the 45.1B expert parameters stay 16-bit under qlora" in qlora["extra"]["note"]
+    assert "note" not in estimate_cli(cli, ["--model", "mixtral-8x7b", "--method", "lora"])["extra"]
     ctx = Target(spec, parse_cluster("1xH100"), Workload(seq_len=2048, global_batch=8))
     problems = plan_problems(Plan(precision="bf16-true", fused_kernels=True), spec, ctx.cluster, ctx.workload)
     assert any("fused kernels" in p for p in problems)
