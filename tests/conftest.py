@@ -32,6 +32,7 @@ def tiny(name: str, layers: int = 2, **overrides):
     if base.family.moe:  # 8 experts, top-2, as wide as the dense tiny MLPs' share
         f = base.family
         routing = {f.experts_key: 8, f.top_k_key: 2, **({f.expert_width_key: 128} if f.expert_width_key else {})}
+        routing.update({f.shared_expert_key: 192} if f.shared_expert_key else {})
         fields["hf_extra"] = tuple({**dict(base.hf_extra), **routing}.items())
         fields["intermediate_size"] = 256
     fields.update(overrides)

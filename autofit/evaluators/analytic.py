@@ -348,6 +348,8 @@ def _moe_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
     saved, c, h = s.saved, s.c, s.h
     k, e, w, ce = model.experts_per_token, model.num_experts, model.expert_width, s.r
     n2, n2_bytes = "n2", s.norm("ln2", s.r)
+    if model.shared_expert_width:
+        _shared_expert(s, model, n2, n2_bytes)
     if s.full:  # the router's weight gradient reads its input (autocast's 16-bit copy under autocast)
         if s.autocast and n2_bytes != c:
             saved["router.cast"] = h * c
@@ -363,6 +365,19 @@ def _moe_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
         saved["experts.in"] = h * k * ce
         saved["prod"] = w * k * ce
     return "experts.down", "prod", n2
+
+
+def _shared_expert(s: _Saves, model: ModelSpec, n2: str, n2_bytes: int) -> None:
+    """Qwen2-MoE's shared expert (``Qwen2MoeSparseMoeBlock``): a gated MLP of Linears on the normed
+    input, scaled by ``sigmoid(shared_expert_gate(x))``, whose product saves the sigmoid and the
+    MLP's output."""
+    f, saved, c, h = s.f, s.saved, s.c, s.h
+    ws = model.shared_expert_width
+    for n in (*f.mlp_in, "shared_expert_gate"):
+        s.lin(n, n2, n2_bytes, h)
+    saved["shared.gate"], saved["shared.up"], saved["shared.act"] = ws * c, ws * c, ws * c
+    s.lin(f.mlp_out, "shared.prod", c, ws)
+    saved["shared.sigmoid"], saved["shared.out"] = c, h * c
 
 
 def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, float, float]:

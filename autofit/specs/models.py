@@ -116,6 +116,10 @@ class Family:
     experts_key: str = ""
     top_k_key: str = ""
     expert_width_key: str = ""
+    # an always-on shared expert beside the routed ones (Qwen2-MoE's ``shared_expert``, a gated
+    # MLP of nn.Linear layers named by mlp_in/mlp_out, scaled by the sigmoid of
+    # ``shared_expert_gate``, a hidden -> 1 Linear): the config key of its width ("": none)
+    shared_expert_key: str = ""
 
     def config_key(self, name: str) -> str:
         """The config field under its llama ``name``, as this family's config names it ("": none)."""
@@ -151,7 +155,8 @@ class Family:
     @property
     def moe_keys(self) -> tuple[str, ...]:
         """The config keys an MoE model states in ``hf_extra``: experts, experts per token, width."""
-        return tuple(k for k in (self.experts_key, self.top_k_key, self.expert_width_key) if k)
+        keys = (self.experts_key, self.top_k_key, self.expert_width_key, self.shared_expert_key)
+        return tuple(k for k in keys if k)
 
 
 _LLAMA_LIKE = dict(
@@ -198,6 +203,27 @@ FAMILIES: dict[str, Family] = {
             config_fixed={
                 "router_jitter_noise": (0.0, (None, 0, 0.0)),
                 "output_router_logits": (False, (None, False)),
+            },
+        ),
+        # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B; modeling_qwen2_moe.py): Qwen2's attention (q/k/v
+        # biases) and Qwen2MoeSparseMoeBlock in every layer: num_experts routed experts of
+        # moe_intermediate_size, and a shared expert of shared_expert_intermediate_size whose output
+        # is scaled by sigmoid(shared_expert_gate(x)) and added to theirs
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "Qwen2MoeDecoderLayer",
+            **{**_LLAMA_LIKE, "qkv_bias": True, "liger": False},
+            has_head_dim_key=False,
+            experts_key="num_experts",
+            top_k_key="num_experts_per_tok",
+            expert_width_key="moe_intermediate_size",
+            shared_expert_key="shared_expert_intermediate_size",
+            config_fixed={
+                "decoder_sparse_step": (1, (None, 1)),
+                "mlp_only_layers": ([], (None, [])),
+                "output_router_logits": (False, (None, False)),
+                "use_sliding_window": (False, (None, False)),
             },
         ),
         # Qwen3-MoE (modeling_qwen3_moe.py): Qwen3's attention (q/k norms) and Qwen3MoeSparseMoeBlock
@@ -622,6 +648,12 @@ class ModelSpec:
         )
 
     @property
+    def shared_expert_width(self) -> int:
+        """The shared expert's MLP width (Qwen2-MoE; 0: none)."""
+        key = self.family.shared_expert_key
+        return int(dict(self.hf_extra)[key]) if key else 0
+
+    @property
     def expert_width(self) -> int:
         """One expert's MLP width (Mixtral: intermediate_size; Qwen3-MoE: moe_intermediate_size)."""
         key = self.family.expert_width_key
@@ -652,8 +684,9 @@ class ModelSpec:
             n += self.q_dim + 2 * self.kv_dim
         if f.out_bias:
             n += h
-        if f.moe:  # the router, and each expert's gate_up_proj and down_proj
+        if f.moe:  # the router, and each expert's gate_up_proj and down_proj (the shared expert: linears())
             n += self.num_experts * (h + 3 * h * self.expert_width)
+            n += sum(i * o for _, i, o, part in self.linears() if part == "mlp")
         else:
             n += (3 if f.gated_mlp else 2) * h * i
         if f.mlp_bias:
@@ -695,7 +728,10 @@ class ModelSpec:
         else:
             mlp_in = [(n, h, i) for n in f.mlp_in]
         attention = qkv + [(f.attn_out, self.q_dim, h)]
-        mlp = [] if f.moe else mlp_in + [(f.mlp_out, i, h)]  # experts and router are no Linear
+        mlp = mlp_in + [(f.mlp_out, i, h)]
+        if f.moe:  # routed experts and router are no Linear; a shared expert and its gate are
+            ws = self.shared_expert_width
+            mlp = [(n, h, ws) for n in f.mlp_in] + [(f.mlp_out, ws, h), ("shared_expert_gate", h, 1)] if ws else []
         return [(n, a, b, "attention") for n, a, b in attention] + [(n, a, b, "mlp") for n, a, b in mlp]
 
     def linear_params(self) -> int:
@@ -1620,6 +1656,50 @@ _REGISTRY: list[dict[str, Any]] = [
         tie_word_embeddings=False,
         n_params=140_630_071_296,
         hf_extra=(("num_local_experts", 8), ("num_experts_per_tok", 2)),
+    ),
+    dict(
+        name="qwen1.5-moe-a2.7b",
+        source="Qwen/Qwen1.5-MoE-A2.7B",
+        model_type="qwen2_moe",
+        hidden_size=2048,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        intermediate_size=5632,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        n_params=14_315_784_192,
+        hf_extra=(
+            ("num_experts", 60),
+            ("num_experts_per_tok", 4),
+            ("moe_intermediate_size", 1408),
+            ("shared_expert_intermediate_size", 5632),
+            ("norm_topk_prob", False),
+        ),
+    ),
+    dict(
+        name="qwen2-57b-a14b",
+        source="Qwen/Qwen2-57B-A14B",
+        model_type="qwen2_moe",
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        n_params=57_408_658_944,
+        hf_extra=(
+            ("num_experts", 64),
+            ("num_experts_per_tok", 8),
+            ("moe_intermediate_size", 2560),
+            ("shared_expert_intermediate_size", 20480),
+            ("norm_topk_prob", False),
+        ),
     ),
     dict(
         name="qwen3-30b-a3b",

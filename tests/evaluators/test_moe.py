@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE): specs, the grouped GEMM under fake tensors,
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE's shared expert): specs, the grouped GEMM under fake tensors,
 the routing assumption in every answer, and the estimators against real CPU steps and each
 other (``evaluators/moe.py``)."""
 
@@ -55,6 +55,24 @@ QWEN3_MOE = {
     "output_router_logits": False,
     "tie_word_embeddings": False,
 }
+QWEN2_MOE = {  # Qwen1.5-MoE-A2.7B
+    "model_type": "qwen2_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 151936,
+    "max_position_embeddings": 8192,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+}
 
 
 def test_published_parameter_counts():
@@ -63,12 +81,17 @@ def test_published_parameter_counts():
     assert MODELS["mixtral-8x22b"].n_params == 140_630_071_296
     assert MODELS["qwen3-30b-a3b"].n_params == 30_532_122_624
     assert MODELS["qwen3-235b-a22b"].n_params == 235_093_634_560
+    assert MODELS["qwen1.5-moe-a2.7b"].n_params == 14_315_784_192
+    assert MODELS["qwen2-57b-a14b"].n_params == 57_408_658_944
+    assert MODELS["qwen2-57b-a14b"].shared_expert_width == 20480
     q = MODELS["qwen3-30b-a3b"]
     assert (q.num_experts, q.experts_per_token, q.expert_width) == (128, 8, 768)
     assert MODELS["mixtral-8x7b"].expert_width == 14336
 
 
-@pytest.mark.parametrize("name,raw", [("mixtral-8x7b", MIXTRAL), ("qwen3-30b-a3b", QWEN3_MOE)])
+@pytest.mark.parametrize(
+    "name,raw", [("mixtral-8x7b", MIXTRAL), ("qwen3-30b-a3b", QWEN3_MOE), ("qwen1.5-moe-a2.7b", QWEN2_MOE)]
+)
 def test_a_hub_config_reads_as_the_registered_model(name, raw, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
@@ -101,15 +124,20 @@ def test_qwen3_moe_with_dense_layers_is_refused(tmp_path):
         resolve_model(str(path))
 
 
-def test_lora_adapts_the_attention_and_leaves_experts_and_router_whole():
+@pytest.mark.parametrize("family", ["mixtral-8x7b", "qwen1.5-moe-a2.7b"])
+def test_lora_adapts_the_linears_and_leaves_experts_and_router_whole(family):
     """transformers' experts are 3-D parameters and the router a plain one: PEFT's
-    target_modules and bitsandbytes' Linear replacement match none of them."""
+    target_modules and bitsandbytes' Linear replacement match none of them; a shared expert
+    and its gate are Linears, which they match."""
     import peft
 
     from autofit.evaluators.runtime import hf_model_class
 
-    spec = tiny("mixtral-8x7b")
-    assert [n for n, *_ in spec.linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    spec = tiny(family)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if spec.shared_expert_width:
+        names += ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
+    assert [n for n, *_ in spec.linears()] == names
     with torch.device("meta"):
         model = hf_model_class(spec).from_config(spec.to_hf_config())
     assert sum(p.numel() for p in model.parameters()) == spec.n_params
@@ -153,6 +181,8 @@ CPU_PLANS = [
     ("mixtral-8x7b", Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full")),
     ("qwen3-30b-a3b", Plan(precision="bf16-mixed", micro_batch=2)),
     ("qwen3-30b-a3b", Plan(method="lora", lora_rank=8, precision="fp16-mixed", micro_batch=2, optimizer="adafactor")),
+    ("qwen1.5-moe-a2.7b", Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2)),
+    ("qwen1.5-moe-a2.7b", Plan(precision="bf16-true", micro_batch=2, checkpointing="full")),
 ]
 
 
@@ -174,7 +204,7 @@ ANALYTIC_PLANS = [
 _CACHE = TraceCache()
 
 
-@pytest.mark.parametrize("family", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("family", ["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 @pytest.mark.parametrize("plan", ANALYTIC_PLANS, ids=lambda p: p.summary())
 def test_analytic_agrees_with_simulated_on_moe(family, plan):
     spec = tiny(family, layers=3)

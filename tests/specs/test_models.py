@@ -175,7 +175,7 @@ def test_family_rules_are_refused_with_the_field_named(tmp_path):
     assert MODELS["bloom-7b1"].variant(hidden_size=64, intermediate_size=99).intermediate_size == 256
 
 
-@pytest.mark.parametrize("model_type", ["phi", "gpt_neox", "gemma", "falcon", "bloom"])
+@pytest.mark.parametrize("model_type", ["phi", "gpt_neox", "gemma", "falcon", "bloom", "qwen2_moe", "mixtral"])
 def test_lora_target_names_are_the_linears_peft_matches(model_type):
     """Every name of ``linears()`` is the suffix of exactly one Linear per block (PEFT's and
     bitsandbytes' matching rule), with the stated in and out features."""
