@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE's shared expert): specs, the grouped GEMM under fake tensors,
-the routing assumption in every answer, and the estimators against real CPU steps and each
-other (``evaluators/moe.py``)."""
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE's shared expert): specs, the grouped
+GEMM under fake tensors, the routing assumption in every answer, and the estimators against
+real CPU steps and each other (``evaluators/moe.py``)."""
 
 from __future__ import annotations
 
