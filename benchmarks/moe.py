@@ -2,7 +2,7 @@
 
     python benchmarks/moe.py [--seq 2048] [--out benchmarks/results/FILE.md]
 
-For Mixtral-8x7B and Qwen3-30B-A3B, a few plans on the GPUs people fine-tune them on: the
+For Mixtral-8x7B, Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B (a shared expert), a few plans on the GPUs people fine-tune them on: the
 peak allocated memory and tokens/s from the simulated evaluator (transformers' grouped_mm
 experts traced on fake tensors, ``evaluators/moe.py``) and the analytic one, and the analytic /
 simulated ratio. Then, for model × GPU pairs, the fastest fitting plan of each method over the
@@ -53,6 +53,16 @@ RUNS = [
         Plan(method="qlora", lora_rank=16, precision="bf16-mixed", micro_batch=4, checkpointing="full"),
     ),
     ("qwen3-30b-a3b", "4xH100", Plan(precision="bf16-mixed", micro_batch=2, checkpointing="full", sharding="fsdp")),
+    (
+        "qwen1.5-moe-a2.7b",
+        "1xA10",
+        Plan(method="qlora", lora_rank=16, precision="bf16-mixed", micro_batch=1, checkpointing="full"),
+    ),
+    (
+        "qwen1.5-moe-a2.7b",
+        "1xA100-80GB",
+        Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=4, checkpointing="full"),
+    ),
 ]
 PAIRS = [
     ("mixtral-8x7b", "1xA100-80GB"),
@@ -61,6 +71,8 @@ PAIRS = [
     ("qwen3-30b-a3b", "1xRTX4090"),
     ("qwen3-30b-a3b", "1xH100"),
     ("qwen3-30b-a3b", "2xA100-80GB"),
+    ("qwen1.5-moe-a2.7b", "1xRTX4090"),
+    ("qwen1.5-moe-a2.7b", "1xA100-80GB"),
 ]
 
 

@@ -125,5 +125,5 @@ def nvme_param_buffer(model: ModelSpec, world_size: int) -> int:
     """Elements per NVMe parameter buffer. DeepSpeed swaps each rank's partition of a
     parameter through one buffer and refuses a partition larger than it (llama-3-70b's
     1.05e9-element embedding gives 1.3e8-element partitions on 8 GPUs: above the default)."""
-    largest = max(rows * cols for _, rows, cols in model.matrix_shapes())
+    largest = model.largest_tensor()
     return max(_NVME_PARAM_BUFFER, -(-largest // world_size))

@@ -761,6 +761,13 @@ class ModelSpec:
             shapes.append((1, self.hidden_size, self.hidden_size))
         return shapes
 
+    def largest_tensor(self) -> int:
+        """Elements of the largest parameter tensor (an MoE block's gate_up_proj holds every expert's)."""
+        largest = max(rows * cols for _, rows, cols in self.matrix_shapes())
+        if self.family.moe:
+            largest = max(largest, self.num_experts * 2 * self.expert_width * self.hidden_size)
+        return largest
+
     # -- identity ---------------------------------------------------------------------
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

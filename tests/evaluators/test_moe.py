@@ -247,3 +247,35 @@ def test_every_answer_states_the_routing_and_liger_blocks_are_refused():
     ctx = Target(spec, parse_cluster("1xH100"), Workload(seq_len=2048, global_batch=8))
     problems = plan_problems(Plan(precision="bf16-true", fused_kernels=True), spec, ctx.cluster, ctx.workload)
     assert any("fused kernels" in p for p in problems)
+
+
+def test_a_measured_moe_trial_routes_for_real_and_peaks_where_the_trace_does(tmp_path):
+    """The measured child builds the MoE model from the config and trains it with its own router
+    (random weights, so some uneven split); on the CPU target (one tracker for both) its peak is
+    the simulated one: the routing does not move memory."""
+    from autofit.evaluators.measured import MeasuredEvaluator
+    from autofit.results import Status
+    from tests.evaluators.test_measured import ENV, cpu_ctx
+
+    plan = Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, checkpointing="full")
+    ctx = cpu_ctx(model="qwen1.5-moe-a2.7b")
+    r = MeasuredEvaluator(warmup_steps=2, timed_steps=1, timeout_s=300, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    spec = ctx.model
+    engine = r.extra["engine"]
+    assert engine["linear4bit"] == spec.num_layers * len(spec.linears())  # attention and the shared expert
+    assert engine["trainable_params"] == spec.lora_params(8)
+    sim = SimulatedEvaluator().evaluate(plan, ctx)
+    assert sim.memory.peak_allocated == pytest.approx(r.memory.peak_allocated, rel=0.02)
+    assert sim.extra["routing"] == spec.routing_assumption
+
+
+def test_the_nvme_buffer_holds_a_whole_expert_tensor():
+    """DeepSpeed swaps each rank's partition of a parameter through one NVMe buffer: an MoE
+    block's gate_up_proj (all its experts) is the largest parameter, not the embedding."""
+    from autofit.export.deepspeed import nvme_param_buffer
+
+    spec = MODELS["qwen3-235b-a22b"]
+    experts = 128 * 2 * 1536 * 4096
+    assert spec.largest_tensor() == experts > spec.vocab_size * spec.hidden_size
+    assert nvme_param_buffer(spec, 1) >= experts
