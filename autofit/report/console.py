@@ -176,6 +176,7 @@ def models_table(models: Iterable[ModelSpec]) -> Table:
         "vocab",
         "tied",
         "max pos",
+        "experts",
     ):
         table.add_column(col, justify="left" if col in ("model", "type") else "right")
     for m in models:
@@ -192,8 +193,17 @@ def models_table(models: Iterable[ModelSpec]) -> Table:
             str(m.vocab_size),
             "yes" if m.tie_word_embeddings else "no",
             str(m.max_position_embeddings),
+            _experts_cell(m),
         )
     return table
+
+
+def _experts_cell(m) -> str:
+    """An MoE model's routed experts (count × width, top-k) and shared expert's width; "" for a dense one."""
+    if not m.family.moe:
+        return ""
+    cell = f"{m.num_experts}×{m.expert_width} top-{m.experts_per_token}"
+    return cell + (f" +shared {m.shared_expert_width}" if m.shared_expert_width else "")
 
 
 # -- search ---------------------------------------------------------------------------------
