@@ -336,7 +336,7 @@ def _gated_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
 
 
 def _moe_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:
-    """A sparse MoE block (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``) after the second
+    """A sparse MoE block (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``, Qwen2-MoE's) after the second
     norm, as transformers' ``grouped_mm_experts_forward`` saves it for each of the ``k`` rows a
     token is routed to (``evaluators/moe.py``). The experts run in the weights' dtype (the input
     is cast to it: fp32 master weights under autocast make them fp32): the gate/up output (its
@@ -390,8 +390,8 @@ def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, 
     GEMM's: the gradients of the down output (fp32 and its cast), of SiLU's output, of gate
     and up, and of their concatenation. A recompute stops at the permutation's save of its
     index, before the permuted copy (the third figure: what it never makes)."""
-    h, c, ce, r = s.h, s.c, s.r, s.r
-    k, w = model.experts_per_token, model.expert_width
+    h, c, r = s.h, s.c, s.r
+    k, w, ce = model.experts_per_token, model.expert_width, r  # the experts compute in the weights' dtype
     gathered = 0.0 if "experts.in" in s.saved and ce == c else k * h * c
     fwd = h * r + (0.0 if norm_out in s.saved else h * c) + gathered + 2 * k * h * 4 + 3 * 8 * k
     bwd = k * (h * (4 + ce) + w * ce + 2 * w * ce + 2 * w * ce)
@@ -1259,7 +1259,8 @@ def attention_kernel(model: ModelSpec, plan: Plan, workload: Workload, cluster) 
 def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: int) -> int:
     if plan.is_peft:
         return 2 * n_adapted * model.num_layers
-    return model.num_layers * (len(model.linears()) + 2) + 2
+    moe = 3 if model.family.moe else 0  # the router and the two expert tensors
+    return model.num_layers * (len(model.linears()) + 2 + moe) + 2
 
 
 def _optimizer_kernels(plan: Plan, tensors: int) -> float:
