@@ -19,12 +19,11 @@ import platform
 import sys
 import time
 
+from _frontier import best_per_method  # beside this file
+
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
 from autofit.plan import Plan
-from autofit.search.loop import screen
-from autofit.search.request import build_context
-from autofit.search.space import Allowed, SearchSpace
 from autofit.specs import MODELS, Target, Workload, parse_cluster
 
 GiB = 2**30
@@ -46,11 +45,7 @@ def frontier() -> list[str]:
     """The fastest fitting plan of each method per pair, by the analytic screen of the whole space."""
     rows = []
     for model, gpus in PAIRS:
-        scored = screen(SearchSpace(build_context(model, gpus), Allowed.parse(methods="full,lora,lora-8bit,qlora")))
-        best: dict[str, object] = {}
-        for _, r in scored:
-            if r.fits and r.plan.method.value not in best:
-                best[r.plan.method.value] = r
+        best = best_per_method(model, gpus)
         cells = []
         for m in ("full", "lora", "lora-8bit", "qlora"):
             r = best.get(m)

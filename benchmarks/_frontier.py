@@ -1,0 +1,17 @@
+"""The fastest fitting plan of each method over the whole search space, as the analytic screen ranks it."""
+
+from __future__ import annotations
+
+from autofit.results import TrialResult
+from autofit.search.loop import screen
+from autofit.search.request import build_context
+from autofit.search.space import Allowed, SearchSpace
+
+
+def best_per_method(model: str, gpus: str, methods: str = "full,lora,lora-8bit,qlora") -> dict[str, TrialResult]:
+    """Method name -> the screen's fastest fitting plan of it (methods with none left out)."""
+    best: dict[str, TrialResult] = {}
+    for _, r in screen(SearchSpace(build_context(model, gpus), Allowed.parse(methods=methods))):
+        if r.fits and r.plan.method.value not in best:
+            best[r.plan.method.value] = r
+    return best
