@@ -15,3 +15,13 @@ def best_per_method(model: str, gpus: str, methods: str = "full,lora,lora-8bit,q
         if r.fits and r.plan.method.value not in best:
             best[r.plan.method.value] = r
     return best
+
+
+def cells(best: dict[str, TrialResult], with_plan: bool = False) -> list[str]:
+    """One table cell per method: tokens/s (device memory[; plan]), or "does not fit"."""
+    out = []
+    for m in ("full", "lora", "lora-8bit", "qlora"):
+        r = best.get(m)
+        plan = f"; {r.plan.summary()}" if r and with_plan else ""
+        out.append(f"{r.tokens_per_sec:,.0f} ({r.memory.device_total / 2**30:.1f} GiB{plan})" if r else "does not fit")
+    return out

@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 
-from _frontier import best_per_method  # beside this file
+from _frontier import best_per_method, cells  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -46,12 +46,8 @@ def frontier() -> list[str]:
     rows = []
     for model, gpus in PAIRS:
         best = best_per_method(model, gpus)
-        cells = []
-        for m in ("full", "lora", "lora-8bit", "qlora"):
-            r = best.get(m)
-            cells.append(f"{r.tokens_per_sec:,.0f} ({r.memory.device_total / GiB:.1f} GiB)" if r else "does not fit")
         order = " > ".join(sorted(best, key=lambda m: -best[m].tokens_per_sec))
-        rows.append(f"| {model} | {gpus} | {' | '.join(cells)} | {order} |")
+        rows.append(f"| {model} | {gpus} | {' | '.join(cells(best))} | {order} |")
     return rows
 
 

@@ -18,7 +18,7 @@ import platform
 import sys
 import time
 
-from _frontier import best_per_method  # beside this file
+from _frontier import best_per_method, cells  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -79,16 +79,7 @@ def frontier() -> list[str]:
     """The fastest fitting plan of each method per pair, by the analytic screen of the whole space."""
     rows = []
     for model, gpus in PAIRS:
-        best = best_per_method(model, gpus)
-        cells = []
-        for m in ("full", "lora", "lora-8bit", "qlora"):
-            r = best.get(m)
-            cells.append(
-                f"{r.tokens_per_sec:,.0f} ({r.memory.device_total / GiB:.1f} GiB; {r.plan.summary()})"
-                if r
-                else "does not fit"
-            )
-        rows.append(f"| {model} | {gpus} | {' | '.join(cells)} |")
+        rows.append(f"| {model} | {gpus} | {' | '.join(cells(best_per_method(model, gpus), with_plan=True))} |")
         print(rows[-1], file=sys.stderr)
     return rows
 

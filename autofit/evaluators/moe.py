@@ -32,15 +32,11 @@ from typing import Any
 
 
 def _result_shape(a: Any, b: Any, offs: Any) -> tuple[int, ...]:
-    """``_grouped_mm``'s output shape (``_meta_grouped_mm_common``'s ``out_size``)."""
-    groups = offs.shape[0] if offs is not None else 0
-    if a.dim() == 2 and b.dim() == 2:  # the weight gradient: (K, rows) · (rows, N) per group
-        return (groups, a.shape[0], b.shape[1])
-    if a.dim() == 2 and b.dim() == 3:  # the forward and the input gradient: (rows, K) · (E, K, N)
-        return (a.shape[0], b.shape[-1])
-    if a.dim() == 3 and b.dim() == 2:
-        return (a.shape[0], a.shape[1], b.shape[-1] // max(groups, 1)) if groups else (a.shape[1], b.shape[-1])
-    return (a.shape[0], a.shape[1], b.shape[-1])
+    """``_grouped_mm``'s output shape (``_meta_grouped_mm_common``'s ``out_size``) for the two uses
+    transformers makes of it (:func:`fake_decompositions` takes no other)."""
+    if b.dim() == 2:  # the weight gradient: (K, rows) · (rows, N) per group
+        return (offs.shape[0], a.shape[0], b.shape[1])
+    return (a.shape[0], b.shape[-1])  # the forward and the input gradient: (rows, K) · (E, K, N)
 
 
 def _grouped_mm_any_dtype(a, b, offs=None, bias=None, out_dtype=None):
@@ -51,11 +47,13 @@ def _grouped_mm_any_dtype(a, b, offs=None, bias=None, out_dtype=None):
 
 def fake_decompositions() -> dict:
     """Ops a tracker runs in place of their fake kernels (``memtrack.StorageTracker``): the grouped
-    GEMM in a dtype its meta function refuses."""
+    GEMM in a dtype its meta function refuses, in the shapes transformers calls it with (a 2-D
+    input, offsets given); any other call meets the meta function as it is."""
     import torch
 
-    def when(a, b, *args, **kwargs) -> bool:
-        return not (a.dtype is torch.bfloat16 and b.dtype is torch.bfloat16)
+    def when(a, b, offs=None, *args, **kwargs) -> bool:
+        ours = a.dim() == 2 and b.dim() in (2, 3) and offs is not None
+        return ours and not (a.dtype is torch.bfloat16 and b.dtype is torch.bfloat16)
 
     return {torch.ops.aten._grouped_mm.default: (when, _grouped_mm_any_dtype)}
 

@@ -169,7 +169,9 @@ def test_the_grouped_gemm_outside_bf16_traces_the_real_ops_shapes_and_flops(dtyp
         # each group's GEMM: 2 x its rows x K x N (the weight gradient contracts over the rows)
         assert moe.grouped_mm_flops((x, y, offs), real) == sum(2 * (e - s) * k * n for s, e in zip(bounds, bounds[1:]))
     when, _ = moe.fake_decompositions()[torch.ops.aten._grouped_mm.default]
-    assert when(a.to(dtype), b.to(dtype)) and not when(a.bfloat16(), b.bfloat16())
+    assert when(a.to(dtype), b.to(dtype), offs) and when(at.to(dtype), g.to(dtype), offs=offs)
+    assert not when(a.bfloat16(), b.bfloat16(), offs)  # the meta function takes bf16 itself
+    assert not when(b.to(dtype), b.to(dtype))  # a batched 3-D call is none of transformers': left to the meta
     # each group's rows under the balanced routing: 12 rows over 4 experts
     assert moe.grouped_mm_dim((a, b, offs)) == 3 and moe.grouped_mm_dim((at, g, offs)) == 3
 
