@@ -190,4 +190,5 @@ def deepspeed_buckets(model: ModelSpec) -> dict[str, int]:
         "stage3_param_persistence_threshold": 10 * h,
         "stage3_max_live_parameters": 10**9,
         "stage3_max_reuse_distance": 10**9,
+        "sub_group_size": 10**9,  # DeepSpeed's default, written out: ZeRO-3 steps this many elements at a time
     }

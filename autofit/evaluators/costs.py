@@ -333,19 +333,15 @@ def shard_states(
         if dp > 1:
             comm = g  # DDP keeps a flat bucket copy of every gradient
     elif plan.engine == "deepspeed":
-        if stage >= 1:
-            opt /= dp
-        if stage == 1:
-            comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes
-            step_tmp += 4 * sb.trainable_weights / sb.param_elem_bytes / dp  # fp32 grad partition
+        opt /= dp
+        comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes  # double-buffered ipg bucket
+        step_tmp = zero_step_bytes(plan, model, sb, dp, step_temporary)
         if stage >= 2:
             g /= dp
             g_accum = g if ga_grads else 0.0
-            comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes  # double-buffered ipg bucket
-            step_tmp += 4 * (sb.trainable_weights / sb.param_elem_bytes) / dp
         if stage == 3:
             w /= dp
-            gather = 2 * layer_weight_bytes + buckets["stage3_prefetch_bucket_size"] * sb.param_elem_bytes
+            gather = zero3_gathered_bytes(plan, model, layer_weight_bytes)
         if offload_opt:
             host += opt + 4 * (sb.trainable_weights / sb.param_elem_bytes) / dp  # + fp32 grads on the CPU
             opt = 0.0
@@ -377,6 +373,50 @@ def shard_states(
         host=host,
         grad_accum_present=g_accum,
     )
+
+
+def zero3_gathered_bytes(plan: Plan, model: ModelSpec, layer_weight_bytes: float) -> float:
+    """Whole (gathered) parameters ZeRO-3 holds on a rank through forward and backward.
+
+    DeepSpeed does not release a module's gathered parameters after its forward when they
+    will be used again within ``stage3_max_reuse_distance`` elements of the trace, nor those
+    its prefetcher has already passed in the trace (it scans ahead while fewer than
+    ``stage3_max_live_parameters`` elements are gathered): ``partitioned_param_coordinator.py``
+    ``__params_to_release`` and ``fetch_sub_module``. Measured on 2 CPU ranks (8-layer
+    Mistral, 6.2 M parameters): the elements still gathered at the end of forward follow
+    ``max(max_live, reuse / 2)`` plus about one module (``docs/FIELD-NOTES.md``). With both
+    at 10⁹, a model under about 10⁹ parameters stays gathered whole, as if unsharded.
+    Never less than the block being computed and the next one, plus the prefetch bucket.
+    The embeddings, norms and head (never quantized) are counted among the kept first.
+    """
+    b = deepspeed_buckets(model)
+    c = DTYPE_BYTES[dtype_layout(plan).compute]
+    kept = max(b["stage3_max_live_parameters"], b["stage3_max_reuse_distance"] / 2) + model.largest_tensor()
+    kept = min(model.n_params, kept)
+    dense = model.n_params - model.linear_params()
+    per_linear = quantized_layer_bytes(model, plan) * model.num_layers / model.linear_params() if plan.quantized else c
+    held = min(kept, dense) * c + max(0.0, kept - dense) * per_linear
+    return max(held, 2 * layer_weight_bytes + b["stage3_prefetch_bucket_size"] * c)
+
+
+def zero_step_bytes(plan: Plan, model: ModelSpec, sb: StateBytes, dp: int, inner: float = 0.0) -> float:
+    """What ZeRO's optimizer step allocates beyond the states, on one rank (no offload).
+
+    DeepSpeed steps the rank's partition of each parameter group (ZeRO-1/2,
+    ``stage_1_and_2.py`` ``step``) or of each sub-group of at most ``sub_group_size``
+    elements (ZeRO-3, ``stage3.py`` ``_prepare_fp32_grad_for_sub_group``) the same way: the
+    16-bit gradient partition is flattened into a new tensor (``_flatten_dense_tensors``,
+    a ``cat``) and converted to an fp32 copy, both alive as the copy is made; the fp32 copy
+    then lives through the inner optimizer's step, beside its temporaries (``inner``).
+    The exported torch AdamW is the fused one (``export.deepspeed``), which allocates none;
+    torch's default foreach AdamW would add a 4-byte sqrt per element (``torch/optim/adam.py``
+    ``_multi_tensor_adam``), its CPU loop 8.
+    """
+    elems = sb.trainable_weights / sb.param_elem_bytes / dp
+    if plan.zero_stage == 3:
+        # sub-groups take whole parameters until they reach sub_group_size (_create_fp16_sub_groups)
+        elems = min(elems, deepspeed_buckets(model)["sub_group_size"] + model.largest_tensor() / dp)
+    return max((sb.grad_elem_bytes + 4) * elems, 4 * elems + inner)
 
 
 # -- time --------------------------------------------------------------------------------
