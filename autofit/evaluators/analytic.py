@@ -764,6 +764,7 @@ class _States:
     first_block_copies: float  # ... of them still alive at the first block's backward
     early_grads: float  # the output head's gradient (first micro-batch), sharded
     block_tail_grads: float  # the last block's MLP and output-projection gradients, sharded
+    held_grads: float  # whole gradients ZeRO holds beside a block's backward
     tied_grad: float  # the head's gradient meeting the tied embedding's
 
 
@@ -806,7 +807,11 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
             for n, i, o, part in model.linears()
             if part == "mlp" or (n == f.attn_out and f.norm_position != "post")
         )
+        if model.family.moe:  # the routed experts' gate_up_proj and down_proj, all experts each
+            tail += 3 * model.num_experts * model.expert_width * model.hidden_size
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
+    held_grads = costs.zero_held_grads(plan, model, sb)
+    block_tail_grads = max(block_tail_grads, held_grads)
     return _States(
         sb=sb,
         st=st,
@@ -816,6 +821,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         first_block_copies=autocast_copies if ckpt else autocast_copies / kept,
         early_grads=early_grads,
         block_tail_grads=block_tail_grads,
+        held_grads=held_grads,
         tied_grad=early_grads if model.tie_word_embeddings else 0.0,
     )
 
@@ -908,7 +914,7 @@ def _backward_moments(
         },
         "block-backward": {
             **states,
-            "gradients": max(st.grad_accum_present, ms.early_grads),
+            "gradients": max(st.grad_accum_present, ms.early_grads) + ms.held_grads,
             "activations": in_blocks,
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,

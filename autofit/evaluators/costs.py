@@ -285,6 +285,12 @@ def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, momen
         small = _small_trainable(model, plan)
         return (2 + 8 / BNB_BLOCK) * (n_trainable - small) + 8 * small
     # Adafactor: factored second moment, rows + cols per matrix, full for vectors
+    if plan.engine == "deepspeed":
+        # ZeRO hands the inner optimizer one flat 1-D partition (stage_1_and_2.py
+        # single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat): a vector,
+        # whose second moment Adafactor keeps whole (torch/optim/_adafactor.py, transformers'
+        # Adafactor._get_options: factored only for 2-D and up)
+        return moment_bytes * n_trainable
     if plan.is_peft:
         r = plan.lora_rank or 0
         return moment_bytes * sum(
@@ -335,13 +341,16 @@ def shard_states(
     elif plan.engine == "deepspeed":
         opt /= dp
         comm = 2 * buckets["reduce_bucket_size"] * sb.grad_elem_bytes  # double-buffered ipg bucket
-        step_tmp = zero_step_bytes(plan, model, sb, dp, step_temporary)
+        step_tmp = zero_step_bytes(plan, model, sb, dp)
         if stage >= 2:
             g /= dp
             g_accum = g if ga_grads else 0.0
         if stage == 3:
             w /= dp
             gather = zero3_gathered_bytes(plan, model, layer_weight_bytes)
+            # the flat gradient partition is allocated once, at setup (stage3.py
+            # grad_partitions_flat_buffer), so it is there through every forward
+            g_accum = g
         if offload_opt:
             host += opt + 4 * (sb.trainable_weights / sb.param_elem_bytes) / dp  # + fp32 grads on the CPU
             opt = 0.0
@@ -399,7 +408,24 @@ def zero3_gathered_bytes(plan: Plan, model: ModelSpec, layer_weight_bytes: float
     return max(held, 2 * layer_weight_bytes + b["stage3_prefetch_bucket_size"] * c)
 
 
-def zero_step_bytes(plan: Plan, model: ModelSpec, sb: StateBytes, dp: int, inner: float = 0.0) -> float:
+def zero_held_grads(plan: Plan, model: ModelSpec, sb: StateBytes) -> float:
+    """Whole gradients ZeRO-2/3 hold beside a block's backward, on top of their partitions.
+
+    ZeRO copies a gradient into its reduce bucket only when it fits there; a larger one stays
+    whole until the next bucket is reduced (``stage3.py`` ``__add_grad_to_ipg_bucket``,
+    ``stage_1_and_2.py`` ``reduce_independent_p_g_buckets_and_remove_grads``): the block's two
+    largest weight tensors (an MoE block's expert tensors hold every expert) are whole at once.
+    """
+    if plan.method is not Method.FULL or plan.engine != "deepspeed" or plan.zero_stage < 2:
+        return 0.0
+    sizes = [i * o for _, i, o, _ in model.linears()]
+    if model.family.moe:
+        e, w, h = model.num_experts, model.expert_width, model.hidden_size
+        sizes += [e * h, e * 2 * w * h, e * w * h]
+    return sum(sorted(sizes, reverse=True)[:2]) * sb.grad_elem_bytes
+
+
+def zero_step_bytes(plan: Plan, model: ModelSpec, sb: StateBytes, dp: int) -> float:
     """What ZeRO's optimizer step allocates beyond the states, on one rank (no offload).
 
     DeepSpeed steps the rank's partition of each parameter group (ZeRO-1/2,
@@ -407,16 +433,22 @@ def zero_step_bytes(plan: Plan, model: ModelSpec, sb: StateBytes, dp: int, inner
     elements (ZeRO-3, ``stage3.py`` ``_prepare_fp32_grad_for_sub_group``) the same way: the
     16-bit gradient partition is flattened into a new tensor (``_flatten_dense_tensors``,
     a ``cat``) and converted to an fp32 copy, both alive as the copy is made; the fp32 copy
-    then lives through the inner optimizer's step, beside its temporaries (``inner``).
+    then lives through the inner optimizer's step, beside its temporaries.
     The exported torch AdamW is the fused one (``export.deepspeed``), which allocates none;
     torch's default foreach AdamW would add a 4-byte sqrt per element (``torch/optim/adam.py``
-    ``_multi_tensor_adam``), its CPU loop 8.
+    ``_multi_tensor_adam``), its CPU loop 8. Adafactor steps the flat partition as a vector:
+    its squared gradient and the variance's clone, 4 bytes each (``torch/optim/_adafactor.py``
+    ``_single_tensor_adafactor``). bitsandbytes' 8-bit step and SGD allocate nothing that size.
     """
     elems = sb.trainable_weights / sb.param_elem_bytes / dp
     if plan.zero_stage == 3:
         # sub-groups take whole parameters until they reach sub_group_size (_create_fp16_sub_groups)
         elems = min(elems, deepspeed_buckets(model)["sub_group_size"] + model.largest_tensor() / dp)
-    return max((sb.grad_elem_bytes + 4) * elems, 4 * elems + inner)
+    inner = 8 * elems if plan.optimizer is Optimizer.ADAFACTOR else 0.0
+    # ZeRO-1/2 free the partition's 16-bit gradients before the inner step
+    # (free_grad_in_param_list); ZeRO-3 keeps its flat gradient buffer
+    freed = sb.grad_elem_bytes * elems if plan.zero_stage < 3 else 0.0
+    return max((sb.grad_elem_bytes + 4) * elems, 4 * elems + inner - freed)
 
 
 # -- time --------------------------------------------------------------------------------

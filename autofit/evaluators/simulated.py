@@ -926,8 +926,10 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
         layer_weights += costs.quantized_layer_bytes(model, plan) - model.linear_params() / L * c
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
-    # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes
+    # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes,
+    # and the whole ones ZeRO holds beside a block's backward
     grad_share = st.gradients / trace.grad_bytes if trace.grad_bytes else 0.0
+    held = costs.zero_held_grads(plan, model, sb)
     # the traced step's optimizer temporaries are the module optimizer's; an engine's own
     # step adds what shard_states says
     start, end = steady_window(trace)
@@ -962,7 +964,11 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
         else:
             cand = {
                 "weights": weights,
-                "gradients": comp["gradients"] * grad_share if sharded else comp["gradients"],
+                # (ZeRO-3's flat partition is there from setup: grad_accum_present)
+                "gradients": max(comp["gradients"] * grad_share, st.grad_accum_present)
+                + (held if phase == "backward" else 0)
+                if sharded
+                else comp["gradients"],
                 "optimizer": st.optimizer if sharded else comp["optimizer"],
                 "activations": comp["activations"],
                 "temporary": comp["temporary"] + st.comm_buffers + st.gather_peak,
