@@ -57,6 +57,7 @@ def check(plan, ctx, cfg, parsed) -> None:
         assert z.param_persistence_threshold == buckets["stage3_param_persistence_threshold"]
         assert z.max_live_parameters == buckets["stage3_max_live_parameters"]
         assert z.max_reuse_distance == buckets["stage3_max_reuse_distance"]
+        assert z.sub_group_size == buckets["sub_group_size"]
         assert z.gather_16bit_weights_on_model_save is True
 
     device = plan.offload_device.value
@@ -74,8 +75,9 @@ def check(plan, ctx, cfg, parsed) -> None:
     if plan.optimizer is Optimizer.ADAMW:
         assert parsed.optimizer_name == "adamw"
         assert parsed.optimizer_params["lr"] == (2e-4 if plan.is_peft else 2e-5)
-        # torch AdamW on the GPU; with offload nothing may override DeepSpeed's CPU Adam
+        # torch's fused AdamW on the GPU; with offload nothing may override DeepSpeed's CPU Adam
         assert parsed.optimizer_params.get("torch_adam", False) is (plan.offload is Offload.NONE)
+        assert parsed.optimizer_params.get("fused", False) is (plan.offload is Offload.NONE)
     else:
         assert parsed.optimizer_name is None
         assert parsed.zero_allow_untested_optimizer is True
@@ -127,7 +129,14 @@ def test_zero2_bf16_numbers():
     }
     assert cfg["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+        "params": {
+            "lr": 2e-4,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "torch_adam": True,
+            "fused": True,
+        },
     }
 
 
