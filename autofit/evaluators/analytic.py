@@ -764,7 +764,7 @@ class _States:
     first_block_copies: float  # ... of them still alive at the first block's backward
     early_grads: float  # the output head's gradient (first micro-batch), sharded
     block_tail_grads: float  # the last block's MLP and output-projection gradients, sharded
-    held_grads: float  # whole gradients ZeRO holds beside a block's backward
+    held_grads: float  # whole gradients ZeRO or FSDP hold beside a block's backward (costs.held_grads)
     tied_grad: float  # the head's gradient meeting the tied embedding's
 
 
@@ -810,8 +810,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         if model.family.moe:  # the routed experts' gate_up_proj and down_proj, all experts each
             tail += 3 * model.num_experts * model.expert_width * model.hidden_size
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
-    held_grads = costs.zero_held_grads(plan, model, sb)
-    block_tail_grads = max(block_tail_grads, held_grads)
+    held_grads = costs.held_grads(plan, model, sb)
     return _States(
         sb=sb,
         st=st,
@@ -922,7 +921,7 @@ def _backward_moments(
         # mid-softmax-backward of the last block: the MLP's and o_proj's weight gradients exist
         "attention-backward": {
             **states,
-            "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads),
+            "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads) + ms.held_grads,
             "activations": in_blocks - freed,
             "logits": 0.0,
             "temporary": persistent_tmp + act.attn_bwd_temp,
@@ -930,7 +929,7 @@ def _backward_moments(
         "first-block-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(st.grad_accum_present, first_grads),
+            "gradients": max(st.grad_accum_present, first_grads) + ms.held_grads,
             "activations": first,
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
@@ -939,7 +938,7 @@ def _backward_moments(
         "first-block-attention-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(st.grad_accum_present, first_grads + ms.block_tail_grads),
+            "gradients": max(st.grad_accum_present, first_grads + ms.block_tail_grads) + ms.held_grads,
             "activations": first - freed,
             "logits": 0.0,
             "temporary": persistent_tmp + act.attn_bwd_temp,

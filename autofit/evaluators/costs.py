@@ -408,14 +408,23 @@ def zero3_gathered_bytes(plan: Plan, model: ModelSpec, layer_weight_bytes: float
     return max(held, 2 * layer_weight_bytes + b["stage3_prefetch_bucket_size"] * c)
 
 
-def zero_held_grads(plan: Plan, model: ModelSpec, sb: StateBytes) -> float:
-    """Whole gradients ZeRO-2/3 hold beside a block's backward, on top of their partitions.
+def held_grads(plan: Plan, model: ModelSpec, sb: StateBytes) -> float:
+    """Whole (unsharded) gradients a sharding engine holds beside a block's backward, on top
+    of the sharded ones.
 
-    ZeRO copies a gradient into its reduce bucket only when it fits there; a larger one stays
-    whole until the next bucket is reduced (``stage3.py`` ``__add_grad_to_ipg_bucket``,
+    ZeRO-2/3 copy a gradient into their reduce bucket only when it fits there; a larger one
+    stays whole until the next bucket is reduced (``stage3.py`` ``__add_grad_to_ipg_bucket``,
     ``stage_1_and_2.py`` ``reduce_independent_p_g_buckets_and_remove_grads``): the block's two
     largest weight tensors (an MoE block's expert tensors hold every expert) are whole at once.
+    FSDP2 reduce-scatters a block's gradients in its post-backward, so the block's whole
+    gradients (in the compute dtype) build up beside the previous block's reduce-scatter
+    input, which it frees only then (``_fsdp_param_group.py`` ``post_backward``,
+    ``reduce_scatter_max_input_buffers`` 1): measured on 2 CPU ranks, tiny Mixtral's peak
+    moved by one block's 16-bit gradients from run to run.
     """
+    if plan.engine == "fsdp":
+        c = DTYPE_BYTES[dtype_layout(plan).compute]
+        return sb.trainable_weights / sb.param_elem_bytes / max(1, model.num_layers) * c
     if plan.method is not Method.FULL or plan.engine != "deepspeed" or plan.zero_stage < 2:
         return 0.0
     sizes = [i * o for _, i, o, _ in model.linears()]

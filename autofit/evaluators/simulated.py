@@ -929,7 +929,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes,
     # and the whole ones ZeRO holds beside a block's backward
     grad_share = st.gradients / trace.grad_bytes if trace.grad_bytes else 0.0
-    held = costs.zero_held_grads(plan, model, sb)
+    held = costs.held_grads(plan, model, sb)
     # the traced step's optimizer temporaries are the module optimizer's; an engine's own
     # step adds what shard_states says
     start, end = steady_window(trace)

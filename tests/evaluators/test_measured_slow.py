@@ -108,6 +108,37 @@ def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
         assert m.optimizer == pytest.approx(12 * n / 2, rel=0.02)
     gap = estimate(plan, ctx).memory.peak_allocated / m.peak_allocated - 1
     print(f"{name}: measured {m.peak_allocated / MiB:.2f} MiB, analytic {gap:+.1%}, {wall:.1f} s")
+    assert -0.03 <= gap <= 0.10, f"{name}: analytic {gap:+.1%} against the measured peak"
+
+
+# what DeepSpeed ZeRO holds beyond its partitions (docs/EVALUATORS.md), each against a real run
+ZERO_BEYOND = {
+    # the flat gradient partition from setup, with no accumulation to hold it
+    "zero3-ga1": ("mistral-7b", Plan(precision="bf16-mixed", micro_batch=2, grad_accum=1, sharding="zero3")),
+    # Adafactor on the flat partition: whole second moment, squared gradient and clone
+    "zero2-adafactor": (
+        "mistral-7b",
+        Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", optimizer="adafactor"),
+    ),
+    # the experts' whole gradients beside the block's backward
+    "zero3-mixtral": ("mixtral-8x7b", Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero3")),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO_BEYOND))
+def test_zero_estimates_cover_the_measured_peak(name, tmp_path):
+    from autofit.evaluators.simulated import SimulatedEvaluator
+
+    model, plan = ZERO_BEYOND[name]
+    wl = Workload(seq_len=64, global_batch=8 if plan.grad_accum == 2 else 4)
+    ctx = Target(tiny(model), with_cpu_budget(parse_cluster("2xcpu"), "1GiB"), wl, 0.05)
+    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
+    assert r.extra["engine"]["zero_stage"] == plan.zero_stage and r.extra["engine"]["world_size"] == 2
+    measured = r.memory.peak_allocated
+    for est in (estimate(plan, ctx).memory, SimulatedEvaluator().evaluate(plan, ctx).memory):
+        gap = est.peak_allocated / measured - 1
+        assert -0.01 <= gap <= 0.10, f"{name}: {gap:+.1%} against the measured {measured / MiB:.2f} MiB"
 
 
 def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
@@ -123,7 +154,7 @@ def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
     assert eng["linear8bit"] == spec.num_layers * len(spec.linears())
     assert eng["trainable_params"] == spec.lora_params(8)
     gap = estimate(plan, ctx).memory.peak_allocated / r.memory.peak_allocated - 1
-    assert abs(gap) < 0.04, gap
+    assert -0.02 <= gap <= 0.12, gap
 
 
 def test_a_hanging_child_times_out_and_leaves_no_process():
@@ -249,7 +280,9 @@ def _trial_children() -> list[int]:
 
 def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
     """Mixtral's 3-D expert parameters sharded by FSDP2 on dim 0 (experts split over the ranks),
-    launched from the exported files: it fits and the analytic peak is within its ±4%."""
+    launched from the exported files: it fits and the analytic peak covers it, by at most 12%.
+    (The measured peak moves by one block's 16-bit gradients from run to run: FSDP2 frees the
+    previous block's reduce-scatter input only in the next post-backward; costs.held_grads.)"""
     spec = tiny("mixtral-8x7b")
     ctx = Target(spec, with_cpu_budget(parse_cluster("2xcpu"), "1GiB"), Workload(seq_len=64, global_batch=8), 0.05)
     plan = Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full")
@@ -259,4 +292,4 @@ def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
     assert eng["distributed_type"] == "FSDP" and eng["fsdp_local_numel"] * 2 == eng["fsdp_global_numel"]
     assert r.memory.weights == pytest.approx(4 * spec.n_params / 2, rel=0.02)
     gap = estimate(plan, ctx).memory.peak_allocated / r.memory.peak_allocated - 1
-    assert abs(gap) < 0.04, gap
+    assert -0.02 <= gap <= 0.12, gap
