@@ -108,7 +108,9 @@ def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
         assert m.optimizer == pytest.approx(12 * n / 2, rel=0.02)
     gap = estimate(plan, ctx).memory.peak_allocated / m.peak_allocated - 1
     print(f"{name}: measured {m.peak_allocated / MiB:.2f} MiB, analytic {gap:+.1%}, {wall:.1f} s")
-    assert -0.03 <= gap <= 0.10, f"{name}: analytic {gap:+.1%} against the measured peak"
+    # FSDP2's peak moves by one block's 16-bit gradients from run to run (costs.held_grads):
+    # the estimate covers the larger
+    assert -0.03 <= gap <= 0.12, f"{name}: analytic {gap:+.1%} against the measured peak"
 
 
 # what DeepSpeed ZeRO holds beyond its partitions (docs/EVALUATORS.md), each against a real run
