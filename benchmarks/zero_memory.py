@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO's peak memory on 2 CPU ranks, measured, against both estimators.
+"""DeepSpeed ZeRO's (and FSDP2's) peak memory on 2 CPU ranks, measured, against both estimators.
 
     python benchmarks/zero_memory.py [--plans 0,3] [--out benchmarks/results/FILE.md]
     python benchmarks/zero_memory.py --full-size [--json FILE]
@@ -48,6 +48,9 @@ GRID = [
     ("mixtral-8x7b", {"sharding": "zero2"}),
     ("mixtral-8x7b", {"sharding": "zero3"}),
     ("qwen1.5-moe-a2.7b", {"sharding": "zero3"}),
+    # FSDP2 for comparison: its held gradients (costs.held_grads) are counted the same way
+    ("mistral-7b", {"sharding": "fsdp", "checkpointing": "full"}),
+    ("mixtral-8x7b", {"sharding": "fsdp", "checkpointing": "full"}),
 ]
 FULL_SIZE = [
     ("llama-3.2-1b", "2xA100-80GB", {"sharding": "zero3", "micro_batch": 4}),
@@ -69,7 +72,7 @@ def grid_row(i: int, work: pathlib.Path) -> str:
     name, kw = GRID[i]
     plan = Plan(**{**BASE, **kw})
     cluster = with_cpu_budget(parse_cluster("2xcpu"), "1GiB")
-    ctx = Target(tiny(name), cluster, Workload(seq_len=64, global_batch=8), 0.05)
+    ctx = Target(tiny(name), cluster, Workload(seq_len=64, global_batch=plan.micro_batch * plan.grad_accum * 2), 0.05)
     r = MeasuredEvaluator(timeout_s=400, env={"OMP_NUM_THREADS": "1"}, work_dir=work).evaluate(plan, ctx)
     if r.status is not Status.FITS:
         return f"| {name} | {plan.summary()} | {r.status.value}: {r.reason} | | | | |"

@@ -849,6 +849,10 @@ def _moments(
         largest = _largest_grad(model, plan, ms.sb)
         for m in moments.values():
             m["gradients"] = min(m["gradients"], largest)
+    # a block's whole gradients before the engine reduces them (an optimizer in backward
+    # steps only the reduced ones): on top of the sharded ones, in the blocks' backward
+    for name in ("block-backward", "attention-backward", "first-block-backward", "first-block-attention-backward"):
+        moments[name]["gradients"] += ms.held_grads
     return moments
 
 
@@ -913,7 +917,7 @@ def _backward_moments(
         },
         "block-backward": {
             **states,
-            "gradients": max(st.grad_accum_present, ms.early_grads) + ms.held_grads,
+            "gradients": max(st.grad_accum_present, ms.early_grads),
             "activations": in_blocks,
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
@@ -921,7 +925,7 @@ def _backward_moments(
         # mid-softmax-backward of the last block: the MLP's and o_proj's weight gradients exist
         "attention-backward": {
             **states,
-            "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads) + ms.held_grads,
+            "gradients": max(st.grad_accum_present, ms.early_grads + ms.block_tail_grads),
             "activations": in_blocks - freed,
             "logits": 0.0,
             "temporary": persistent_tmp + act.attn_bwd_temp,
@@ -929,7 +933,7 @@ def _backward_moments(
         "first-block-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(st.grad_accum_present, first_grads) + ms.held_grads,
+            "gradients": max(st.grad_accum_present, first_grads),
             "activations": first,
             "logits": 0.0,
             "temporary": persistent_tmp + act.bwd_temp,
@@ -938,7 +942,7 @@ def _backward_moments(
         "first-block-attention-backward": {
             **states,
             "weights": st.weights + ms.first_block_copies,
-            "gradients": max(st.grad_accum_present, first_grads + ms.block_tail_grads) + ms.held_grads,
+            "gradients": max(st.grad_accum_present, first_grads + ms.block_tail_grads),
             "activations": first - freed,
             "logits": 0.0,
             "temporary": persistent_tmp + act.attn_bwd_temp,
