@@ -927,7 +927,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
     # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes,
-    # and the whole ones ZeRO holds beside a block's backward
+    # and the whole ones ZeRO or FSDP hold beside a block's backward (costs.held_grads)
     grad_share = st.gradients / trace.grad_bytes if trace.grad_bytes else 0.0
     held = costs.held_grads(plan, model, sb)
     # the traced step's optimizer temporaries are the module optimizer's; an engine's own
