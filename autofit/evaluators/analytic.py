@@ -628,10 +628,7 @@ def adafactor_step_bytes(model: ModelSpec, plan: Plan, elem_bytes: int) -> float
             emb.append(model.max_position_embeddings * model.hidden_size)
         # 0: a norm's vector between two matrices (GPT-2/BERT's first LayerNorm, the final norm)
         sep = [0] if model.family.norm == "layernorm" else []
-        layer = [i * o for _, i, o, _ in model.linears()]
-        if model.family.moe:  # then the router, and the experts' gate_up_proj and down_proj, whole
-            e, h, w = model.num_experts, model.hidden_size, model.expert_width
-            layer += [e * h, e * 2 * w * h, e * h * w]
+        layer = model.block_tensors()  # an MoE block's router and whole expert tensors after its Linears
         sizes = emb + sep + layer * min(L, 2)
         if not model.tie_word_embeddings:
             sizes += [0, model.vocab_size * model.hidden_size]

@@ -427,11 +427,7 @@ def held_grads(plan: Plan, model: ModelSpec, sb: StateBytes) -> float:
         return sb.trainable_weights / sb.param_elem_bytes / max(1, model.num_layers) * c
     if plan.method is not Method.FULL or plan.engine != "deepspeed" or plan.zero_stage < 2:
         return 0.0
-    sizes = [i * o for _, i, o, _ in model.linears()]
-    if model.family.moe:
-        e, w, h = model.num_experts, model.expert_width, model.hidden_size
-        sizes += [e * h, e * 2 * w * h, e * w * h]
-    return sum(sorted(sizes, reverse=True)[:2]) * sb.grad_elem_bytes
+    return sum(sorted(model.block_tensors(), reverse=True)[:2]) * sb.grad_elem_bytes
 
 
 def zero_step_bytes(plan: Plan, model: ModelSpec, sb: StateBytes, dp: int) -> float:

@@ -761,12 +761,18 @@ class ModelSpec:
             shapes.append((1, self.hidden_size, self.hidden_size))
         return shapes
 
+    def block_tensors(self) -> list[int]:
+        """Elements of each weight tensor of one block, in parameter order: its Linears, then an
+        MoE block's router and its experts' gate_up_proj and down_proj (each holds every expert)."""
+        sizes = [i * o for _, i, o, _ in self.linears()]
+        if self.family.moe:
+            e, w, h = self.num_experts, self.expert_width, self.hidden_size
+            sizes += [e * h, e * 2 * w * h, e * h * w]
+        return sizes
+
     def largest_tensor(self) -> int:
         """Elements of the largest parameter tensor (an MoE block's gate_up_proj holds every expert's)."""
-        largest = max(rows * cols for _, rows, cols in self.matrix_shapes())
-        if self.family.moe:
-            largest = max(largest, self.num_experts * 2 * self.expert_width * self.hidden_size)
-        return largest
+        return max(max(rows * cols for _, rows, cols in self.matrix_shapes()), *self.block_tensors())
 
     # -- identity ---------------------------------------------------------------------
     def as_dict(self) -> dict[str, Any]:
