@@ -148,20 +148,43 @@ Progress = Callable[[str, dict[str, Any]], None]
 
 
 def _constraint(result: TrialResult, ctx: Target) -> list[float]:
-    """Optuna's convention: <= 0 is feasible. Relative excess of device and host memory."""
+    """Optuna's convention: <= 0 is feasible. Relative excess of device and host memory; a plan that
+    ran out of memory below the budget (a real run's fragmentation, a spike the figures miss) is
+    infeasible all the same, barely: every plan stored as not fitting violates a constraint."""
     if result.memory is None or result.status in (Status.FAILED, Status.TIMEOUT):
         return [1.0, 1.0]
     m = result.memory
-    return [
-        (m.device_total - ctx.budget_bytes) / ctx.budget_bytes,
-        (m.host_bytes - ctx.cluster.host_memory_bytes) / ctx.cluster.host_memory_bytes,
-    ]
+    device = (m.device_total - ctx.budget_bytes) / ctx.budget_bytes
+    host = (m.host_bytes - ctx.cluster.host_memory_bytes) / ctx.cluster.host_memory_bytes
+    if result.status is Status.OOM and max(device, host) <= 0:
+        device = OOM_BELOW_BUDGET
+    return [device, host]
+
+
+OOM_BELOW_BUDGET = 1e-3  # the constraint of a plan that ran out of memory below the budget: just infeasible
 
 
 def _set_constraints(trial, result: TrialResult, ctx: Target) -> None:
     device, host = _constraint(result, ctx)
     trial.set_constraint("device_memory", device)
     trial.set_constraint("host_memory", host)
+
+
+def _told(result: TrialResult) -> float:
+    """What the trial's Optuna record says: a fitting plan's tokens/s, COMPLETE. Any other outcome
+    (screened out, over the budget, failed, stopped by the pruner) ends the trial PRUNED, its
+    constraints already set. TPE still learns the boundary from it: it ranks an infeasible trial by
+    its constraint violation whatever its state, and it reads PRUNED trials as it reads COMPLETE
+    ones (``optuna/samplers/_tpe/sampler.py``: ``_split_trials``, ``_get_infeasible_trial_score``;
+    the group search space with ``include_pruned=True``). And no Optuna tool can show such a plan as
+    the best trial: ``Study.best_trial``, the storage's ``get_best_trial`` that optuna-dashboard
+    calls (constraint-blind), and a reader who takes the highest COMPLETE value all see COMPLETE
+    trials only."""
+    import optuna
+
+    if not result.fits:
+        raise optuna.TrialPruned(result.reason or str(result.status))
+    return result.tokens_per_sec
 
 
 def screen(space: SearchSpace, cal: calibration.Calibration | None = None) -> list[tuple[dict[str, Any], TrialResult]]:
@@ -238,7 +261,7 @@ class _Objective:
             result = known[plan.plan_id].result()
             _set_constraints(trial, result, ctx)
             self.progress("trial-duplicate", {"number": trial.number, "result": result})
-            return result.tokens_per_sec
+            return _told(result)
         self.duplicates_in_a_row = 0
         predicted = self._calibrated(self.screen.evaluate(plan, ctx))
         if self.evaluator is None:
@@ -255,9 +278,7 @@ class _Objective:
         trial.set_user_attr("status", result.status.value)
         _set_constraints(trial, result, ctx)
         self.progress("trial-done", {"number": trial.number, "result": result})
-        if result.status is Status.PRUNED:  # stopped by the pruner
-            raise optuna.TrialPruned(result.reason)
-        return result.tokens_per_sec
+        return _told(result)
 
     def remeasure(self, earlier: TrialResult, runs: list[float]) -> TrialResult:
         """``earlier``'s plan measured once more, to its end (no pruner: it ran to the end
@@ -436,6 +457,8 @@ def _open_study(
         direction="maximize",
         load_if_exists=True,
     )
+    for key, value in study_attrs(study_rec).items():  # what the study is, for Optuna's tools
+        study.set_user_attr(key, value)
     if resume:  # trials left running by the process that died: nobody will finish them
         from optuna.trial import TrialState
 
@@ -474,6 +497,86 @@ def _open_study(
                 queue.append(params)
         for params in queue[: max(k, len(warm_params))]:
             study.enqueue_trial(params, skip_if_exists=True)
+
+
+def study_attrs(study_rec) -> dict[str, Any]:
+    """The Optuna study's user attributes: the autofit study it belongs to and the request it
+    answers (optuna-dashboard and ``optuna studies`` show them; the names are autofit's CLI's)."""
+    workload = study_rec.workload
+    return {
+        "autofit_study": study_rec.name,
+        "model": study_rec.model_name,
+        "gpus": study_rec.cluster_label,
+        "seq_len": study_rec.seq_len,
+        "global_batch": int(workload["global_batch"]),
+        "evaluator": study_rec.evaluator,
+    }
+
+
+def publish_answer(store, outcome: SearchOutcome) -> None:
+    """Write the study's answer into its Optuna study once a run of the study ends: the user
+    attribute ``autofit_answer`` (None when nothing fits) and, where optuna-dashboard is
+    installed, the study's note, which the dashboard shows above the trials.
+
+    Optuna's tools name the COMPLETE trial of the highest value (``_told``). That is the answer,
+    unless autofit chose a simpler plan within the time error of the fastest
+    (``autofit.results.tiebreak``), or a re-measurement (outside Optuna) reordered the tied plans.
+    No value per trial could make them agree then: which of two tied plans wins depends on the
+    other plans, and Optuna never changes a finished trial. So the answer is stated beside them,
+    with the trial that Optuna names instead and why."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name=outcome.study.optuna_study_name, storage=store.optuna_storage())
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    top = max(complete, key=lambda t: t.value, default=None)
+    answer = _answer_attr(store, outcome, top)
+    study.set_user_attr("autofit_answer", answer)
+    try:
+        from optuna_dashboard import save_note
+    except ImportError:  # the dashboard is a separate install; the user attribute says the same
+        return
+    save_note(study, _answer_note(answer))
+
+
+def _answer_attr(store, outcome: SearchOutcome, top) -> dict[str, Any] | None:
+    """``autofit_answer``: the answer's plan, its trials, and Optuna's best trial where that differs."""
+    best = outcome.best
+    if best is None:
+        return None
+    numbers = {t.number for t in store.trials(outcome.study.id) if t.plan_id == best.plan.plan_id}
+    answer: dict[str, Any] = {
+        "plan_id": best.plan.plan_id,
+        "plan": best.plan.summary(),
+        "tokens_per_sec": round(best.tokens_per_sec, 1),
+        "evaluator": best.evaluator,
+        "trials": sorted(numbers),
+    }
+    if top is not None and top.user_attrs.get("plan_id") != best.plan.plan_id:
+        tb = outcome.tiebreak
+        answer["optuna_best_trial"] = top.number
+        answer["why"] = (
+            f"autofit prefers the simpler plan within the time error ({tb.error:.0%}) of the fastest"
+            if tb is not None and tb.fastest is not best
+            else "a re-measurement of the tied plans changed their order"
+        )
+    return answer
+
+
+def _answer_note(answer: dict[str, Any] | None) -> str:
+    """The dashboard's study note (Markdown) for ``autofit_answer``."""
+    if answer is None:
+        return "## autofit's answer\n\nNo plan fits: every trial is PRUNED. `autofit show` says what would fit."
+    lines = [
+        "## autofit's answer",
+        "",
+        f"Trial {', '.join(f'#{n}' for n in answer['trials'])}: `{answer['plan']}`, "
+        f"{answer['tokens_per_sec']:,.0f} tokens/s ({answer['evaluator']}).",
+    ]
+    if "optuna_best_trial" in answer:
+        lines += ["", f"Optuna's best trial is #{answer['optuna_best_trial']}: {answer['why']}."]
+    lines += ["", "Plans that do not fit are PRUNED trials, with their constraints; `autofit show` has the rest."]
+    return "\n".join(lines)
 
 
 @contextmanager
@@ -902,9 +1005,11 @@ def run_search(
     except Exception as exc:
         _mark_failed(store, study_rec, exc)
         raise
-    with sigint_deferred():  # a second Ctrl-C waits until the status is written
+    with sigint_deferred():  # a second Ctrl-C waits until the status and the answer are written
         study_rec = store.finish_study(study_rec.id, "interrupted" if ending == "interrupted" else "finished")
-    return _outcome(request, store, study_rec, ending=ending, elapsed=time.perf_counter() - t0)
+        outcome = _outcome(request, store, study_rec, ending=ending, elapsed=time.perf_counter() - t0)
+        publish_answer(store, outcome)
+    return outcome
 
 
 def run_worker(
@@ -921,10 +1026,13 @@ def run_worker(
         return _outcome(request_from_study(rec), store, rec, from_store=True)
     request = request_from_study(rec)
     ending = work(request, store, rec, progress=progress, seed=secrets.randbelow(2**31), heartbeat=heartbeat)
-    if ending != "interrupted":  # an interrupted worker leaves the study to the others
-        with sigint_deferred():
-            rec = store.finish_study(rec.id, "finished")
-    return _outcome(request, store, store.get_study(rec.id), ending=ending, elapsed=time.perf_counter() - t0)
+    if ending == "interrupted":  # an interrupted worker leaves the study to the others
+        return _outcome(request, store, store.get_study(rec.id), ending=ending, elapsed=time.perf_counter() - t0)
+    with sigint_deferred():
+        rec = store.finish_study(rec.id, "finished")
+        outcome = _outcome(request, store, rec, ending=ending, elapsed=time.perf_counter() - t0)
+        publish_answer(store, outcome)
+    return outcome
 
 
 def stored_outcome(request: SearchRequest, store, rec) -> SearchOutcome:

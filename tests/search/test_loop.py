@@ -314,7 +314,8 @@ class _StubEvaluator:
 
 def test_screened_and_pruned_are_two_statuses(store, monkeypatch):
     """A plan predicted not to fit is ``screened`` (never evaluated); a run the pruner stops is
-    ``pruned``, and only that one is a pruned Optuna trial."""
+    ``pruned``. Both are PRUNED Optuna trials (no COMPLETE value to be shown as the best), told
+    apart by the ``status`` user attribute and by their constraints: a screened plan's are violated."""
     import optuna
 
     import autofit.search.loop as loop
@@ -330,6 +331,9 @@ def test_screened_and_pruned_are_two_statuses(store, monkeypatch):
     assert all(t.evaluator == "simulated" and t.extra["pruned_by"] == "pruner" for t in pruned)
     assert out.counts()["screened"] == len(screened) and out.counts()["pruned"] == len(pruned)
     study = optuna.load_study(study_name=out.study.optuna_study_name, storage=store.optuna_storage())
-    states = {t._trial_id: t.state for t in study.trials}
-    assert {states[t.optuna_trial_id] for t in pruned} == {optuna.trial.TrialState.PRUNED}
-    assert optuna.trial.TrialState.PRUNED not in {states[t.optuna_trial_id] for t in screened}
+    by_id = {t._trial_id: t for t in study.trials}
+    assert {by_id[t.optuna_trial_id].state for t in pruned + screened} == {optuna.trial.TrialState.PRUNED}
+    assert {by_id[t.optuna_trial_id].user_attrs["status"] for t in screened} == {"screened"}
+    assert {by_id[t.optuna_trial_id].user_attrs["status"] for t in pruned} == {"pruned"}
+    assert all(max(by_id[t.optuna_trial_id].constraints.values()) > 0 for t in screened)
+    assert all(max(by_id[t.optuna_trial_id].constraints.values()) <= 0 for t in pruned)
