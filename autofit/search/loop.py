@@ -544,7 +544,8 @@ def _answer_attr(store, outcome: SearchOutcome, top) -> dict[str, Any] | None:
     best = outcome.best
     if best is None:
         return None
-    numbers = {t.number for t in store.trials(outcome.study.id) if t.plan_id == best.plan.plan_id}
+    rows = store.trials(outcome.study.id)  # a re-measurement's row has no Optuna trial
+    numbers = {t.number for t in rows if t.plan_id == best.plan.plan_id and t.optuna_trial_id is not None}
     answer: dict[str, Any] = {
         "plan_id": best.plan.plan_id,
         "plan": best.plan.summary(),
