@@ -31,6 +31,31 @@ class _Choice(str, Enum):
     def values(cls) -> list[str]:
         return [m.value for m in cls]
 
+    @classmethod
+    def aliases(cls) -> dict[str, str]:
+        """The names the tools people come from give the members (:data:`ALIASES`), alias → value."""
+        return ALIASES.get(cls, {})
+
+    @classmethod
+    def _missing_(cls, value: object) -> _Choice | None:
+        """A value in any case, with ``_`` for ``-``, or another tool's name for it:
+        ``Attention("flash_attention_2")`` is ``Attention.FLASH2``. Everything that reads a plan
+        field (CLI, study files, stored plans) goes through here."""
+        if not isinstance(value, str):
+            return None
+        key = value.strip().lower()
+        for candidate in (key, key.replace("_", "-")):
+            canonical = candidate if candidate in cls._value2member_map_ else cls.aliases().get(candidate)
+            if canonical is not None:
+                return cls._value2member_map_[canonical]
+        return None
+
+    @classmethod
+    def choices_text(cls) -> str:
+        """``eager, sdpa, flash2 (also flash_attention_2)``: what an error lists."""
+        text = ", ".join(cls.values())
+        return f"{text} (also {', '.join(cls.aliases())})" if cls.aliases() else text
+
 
 class Method(_Choice):
     FULL = "full"
@@ -99,6 +124,21 @@ class OffloadDevice(_Choice):
     NVME = "nvme"
 
 
+# The names the tools people come from give the same choices: transformers' attn_implementation, the
+# Trainer's OptimizerNames (``transformers.training_args``), accelerate's --mixed_precision. A value with
+# ``_`` for ``-`` is accepted besides (``paged_adamw_8bit``); these are the names that differ.
+ALIASES: dict[type[_Choice], dict[str, str]] = {
+    Attention: {"flash_attention_2": "flash2"},
+    Optimizer: {
+        "adamw_torch": "adamw",
+        "adamw_torch_fused": "adamw",
+        "adamw_bnb_8bit": "adamw-8bit",
+        "adamw_8bit": "adamw-8bit",
+        "paged_adamw_8bit": "paged-adamw-8bit",
+    },
+    Precision: {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "no": "32-true", "fp32": "32-true"},
+}
+
 _ENUM_FIELDS: dict[str, type[_Choice]] = {
     "method": Method,
     "lora_targets": LoraTargets,
@@ -155,7 +195,7 @@ class Plan:
             try:
                 object.__setattr__(self, name, enum(value))
             except ValueError:
-                problems.append(f"{name} must be one of {', '.join(enum.values())}, got {value!r}")
+                problems.append(f"{name} must be one of {enum.choices_text()}, got {value!r}")
         for name in ("micro_batch", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

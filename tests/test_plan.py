@@ -12,6 +12,32 @@ def test_plan_accepts_strings_and_has_a_stable_id():
     assert a.plan_id != a.replace(micro_batch=4).plan_id
 
 
+@pytest.mark.parametrize(
+    "field,name,canonical",
+    [
+        ("attention", "flash_attention_2", "flash2"),  # transformers' attn_implementation
+        ("attention", "SDPA", "sdpa"),
+        ("optimizer", "adamw_torch", "adamw"),  # the Trainer's OptimizerNames
+        ("optimizer", "adamw_torch_fused", "adamw"),
+        ("optimizer", "adamw_bnb_8bit", "adamw-8bit"),
+        ("optimizer", "paged_adamw_8bit", "paged-adamw-8bit"),
+        ("precision", "bf16", "bf16-mixed"),  # accelerate's --mixed_precision
+        ("precision", "fp16", "fp16-mixed"),
+        ("precision", "no", "32-true"),
+        ("method", "lora_8bit", "lora-8bit"),
+    ],
+)
+def test_the_names_of_other_tools_are_the_same_choice(field, name, canonical):
+    plan = Plan(**{field: name})
+    assert getattr(plan, field).value == canonical
+    assert plan.plan_id == Plan(**{field: canonical}).plan_id  # one plan, stored under our name
+
+
+def test_a_bad_value_lists_our_names_and_the_tools():
+    with pytest.raises(PlanError, match=r"adamw, adamw-8bit.* \(also adamw_torch, .*adamw_bnb_8bit"):
+        Plan(optimizer="adam")
+
+
 def test_bad_field_values_are_all_reported():
     with pytest.raises(PlanError) as exc:
         Plan(method="bogus", micro_batch=0, precision="fp8")

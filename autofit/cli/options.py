@@ -64,8 +64,24 @@ class ParallelType(click.ParamType):
         self.fail(f"{value!r} is neither auto nor a count of workers (1, 2, ...)", param, ctx)
 
 
+class EnumChoice(click.Choice):
+    """A plan field's values (the help shows ours), also under the names of the tools people come
+    from (``autofit.plan.ALIASES``: ``flash_attention_2``, ``adamw_torch``, ``bf16``); it gives the
+    canonical value, which the plan line echoes."""
+
+    def __init__(self, enum) -> None:
+        super().__init__(enum.values(), case_sensitive=False)
+        self.enum = enum
+
+    def convert(self, value, param, ctx):
+        try:
+            return self.enum(value).value
+        except ValueError:
+            self.fail(f"{value!r} is none of {self.enum.choices_text()}", param, ctx)
+
+
 def _choice(enum) -> click.Choice:
-    return click.Choice(enum.values(), case_sensitive=False)
+    return EnumChoice(enum)
 
 
 def target_options(fn: Callable | None = None, *, required: bool = True) -> Callable:
@@ -86,7 +102,15 @@ def target_options(fn: Callable | None = None, *, required: bool = True) -> Call
             help="GPUs per node as COUNTxGPU: a catalog GPU (`autofit gpus`), e.g. 2xA10, 8xH100, 1xcpu; "
             "a memory, e.g. 2x24GiB (rates assumed, and said); or a YAML spec, e.g. 2xcard.yaml (docs/DESIGN.md).",
         ),
-        click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of nodes."),
+        click.option(
+            "--nodes",
+            "--num-machines",
+            "nodes",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Number of nodes (accelerate's --num-machines).",
+        ),
         click.option(
             "--inter-node-gbps",
             type=click.FloatRange(min=0, min_open=True),

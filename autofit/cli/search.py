@@ -33,9 +33,17 @@ from autofit.report import analysis, console
     default=None,
     help="Methods the search may use (quality-affecting): full,lora,lora-8bit,qlora [default: full,lora,qlora].",
 )
-@click.option("--optimizers", default=None, help="Optimizers it may use (quality-affecting) [default: adamw].")
 @click.option(
-    "--precisions", default=None, help="Precisions it may use (quality-affecting) [default: the GPU's mixed precision]."
+    "--optimizers",
+    default=None,
+    help="Optimizers it may use (quality-affecting): adamw,adamw-8bit,paged-adamw-8bit,adafactor,sgd, or the "
+    "Trainer's names (adamw_torch, adamw_bnb_8bit, ...) [default: adamw].",
+)
+@click.option(
+    "--precisions",
+    default=None,
+    help="Precisions it may use (quality-affecting): bf16-mixed,fp16-mixed,bf16-true,32-true, or accelerate's "
+    "bf16,fp16,no [default: the GPU's mixed precision].",
 )
 @click.option("--lora-ranks", default=None, help="LoRA ranks it may use [default: 16].")
 @click.option(

@@ -48,11 +48,15 @@ class TrialLike(Protocol):
 def _parse_list(text: str | None, enum, name: str) -> tuple | None:
     if text is None:
         return None
-    values = [v.strip() for v in str(text).split(",") if v.strip()]
-    bad = [v for v in values if v not in enum.values()]
-    if bad or not values:
-        raise SpecError(f"--{name} {text!r}: choose from {', '.join(enum.values())}")
-    return tuple(enum(v) for v in values)
+    parsed = []
+    for v in (v.strip() for v in str(text).split(",")):
+        try:
+            parsed.append(enum(v))  # our names or the tools' (``autofit.plan.ALIASES``)
+        except ValueError:
+            raise SpecError(f"--{name} {text!r}: {v!r} is none of {enum.choices_text()}") from None
+    if not parsed:
+        raise SpecError(f"--{name} {text!r}: choose from {enum.choices_text()}")
+    return tuple(dict.fromkeys(parsed))  # flash2,flash_attention_2 is one choice
 
 
 @dataclass(frozen=True)

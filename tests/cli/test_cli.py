@@ -93,6 +93,19 @@ def test_bad_input_is_one_clear_line(args, fragment):
     assert len([line for line in r.output.strip().splitlines() if line.startswith("Error")]) == 1
 
 
+def test_the_names_of_other_tools_are_echoed_as_ours():
+    """transformers', the Trainer's and accelerate's names for a choice; the plan line says ours."""
+    r = run(
+        "estimate",
+        *("--model", "gpt2", "--gpus", "1xA10", "--seq-len", "1024", "--num-machines", "1"),
+        *("--attention", "flash_attention_2", "--optimizer", "adamw_torch", "--precision", "bf16"),
+    )
+    assert r.exit_code == 0, r.output
+    assert "plan: full · bf16-mixed · adamw · mb1×ga16 · flash2" in r.output
+    bad = CliRunner().invoke(cli, ["estimate", "--model", "gpt2", "--gpus", "1xA10", "--attention", "flash3"])
+    assert bad.exit_code != 0 and "'flash3' is none of eager, sdpa, flash2 (also flash_attention_2)" in bad.output
+
+
 def test_every_command_has_help():
     for name, cmd in cli.commands.items():
         assert cmd.help and len(cmd.help) > 10, name

@@ -87,10 +87,18 @@ def test_packing_is_searched_with_lengths_and_flash2(tmp_path):
 
 
 def test_bad_allowed_lists():
-    with pytest.raises(SpecError, match="--methods"):
+    with pytest.raises(SpecError, match="--methods 'full,lorra': 'lorra' is none of full, lora"):
         Allowed.parse(methods="full,lorra")
+    with pytest.raises(SpecError, match="--precisions"):
+        Allowed.parse(precisions=",")
     with pytest.raises(SpecError, match="--lora-ranks"):
         Allowed.parse(lora_ranks="8,x")
+
+
+def test_allowed_lists_take_the_names_of_other_tools():
+    a = Allowed.parse(optimizers="adamw_torch,adamw_bnb_8bit,adamw", precisions="bf16,no")
+    assert [o.value for o in a.optimizers] == ["adamw", "adamw-8bit"]  # adamw_torch and adamw: one choice
+    assert [p.value for p in a.precisions] == ["bf16-mixed", "32-true"]
 
 
 def test_contradictory_choices_are_refused():
