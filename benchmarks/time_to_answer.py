@@ -9,7 +9,7 @@ The main job is the README's command, run as it is typed, in a fresh process:
 
 with default settings (backend ``auto``, which is ``simulated`` without a local 2xA10; its
 default trial budget and ``--parallel auto``; seq 2048, global batch 16; the report written
-into ``--out``'s default ``autofit-out`` under a temporary working directory). The only
+into ``--out``'s default ``autofit-out/STUDY`` under a temporary working directory). The only
 option added is ``--db sqlite:///<fresh temporary file>``, so that no stored study answers
 it and the user's database is untouched. Each run is timed wall-clock from the subprocess
 start to its exit (Python start-up and imports included) and read back from its database
@@ -110,7 +110,7 @@ def one_search(i: int, parallel: str = "auto", all_layers: bool = False) -> dict
         "best": best.plan.summary() if best else None,
         "best_tps": best.tokens_per_sec if best else 0.0,
         "best_gib": best.memory.device_total / 2**30 if best and best.memory else 0.0,
-        "report": (work / "autofit-out" / "report.html").exists(),
+        "report": any((work / "autofit-out").glob("*/report.html")),
     }
     shutil.rmtree(work, ignore_errors=True)
     print(
@@ -263,7 +263,7 @@ def main() -> None:
         "",
         f"Each run: `autofit search --model {MODEL} --gpus {GPUS} --db sqlite:///<fresh temp file>` in a fresh "
         "process and an empty temporary working directory (default options otherwise: backend auto, "
-        "`--parallel auto`, report written to `autofit-out/`), wall-clock from start to exit.",
+        "`--parallel auto`, report written to `autofit-out/STUDY/`), wall-clock from start to exit.",
         "",
         f"Goal: at most {GOAL_S:.0f} s on 2 cores (median of {len(walls)} runs as typed) — {verdict}. "
         "CPU is the search process's user+sys time (its own and its children's).",

@@ -53,7 +53,7 @@ def show(study, db_url, as_json):
     console.print_assumptions(term, ctx.cluster, ctx.model)
     term.print(console.trials_table(trials, standing.best))
     console.print_answer(term, standing, rec.allowed.get("methods") or [])
-    term.print(f"\nreport with plots: autofit report {rec.name} --out DIR", highlight=False, soft_wrap=True)
+    term.print(f"\nreport with plots: autofit report {rec.name}", highlight=False, soft_wrap=True)
 
 
 @click.command()
@@ -104,7 +104,10 @@ def best(model, gpus, nodes, seq_len, global_batch, db_url, as_json):
 @click.argument("study")
 @click.option("--trial", "trial_number", type=int, default=None, help="Trial number (default: the study's winner).")
 @click.option(
-    "--out", required=True, help="Directory to write ds_config.json, accelerate_config.yaml, trainer_args.json."
+    "--out",
+    default=None,
+    metavar="DIR",
+    help="Directory for ds_config.json, accelerate_config.yaml, trainer_args.json [default: autofit-out/STUDY].",
 )
 @db_option
 @json_option
@@ -130,7 +133,9 @@ def export_cmd(study, trial_number, out, db_url, as_json):
             raise click.ClickException(f"study {rec.name} has no trial {trial_number}; see `autofit show {rec.name}`")
         chosen = matches[-1]
     ctx = rec.context()
-    paths = export_plan(store.trial_result(chosen).plan, ctx, out)
+    from autofit.store.store import study_dir
+
+    paths = export_plan(store.trial_result(chosen).plan, ctx, out or study_dir(rec))
     if as_json:
         click.echo(console.dumps({"study": rec.name, "trial": chosen.number, "files": [str(p) for p in paths]}))
     else:

@@ -14,19 +14,20 @@ from autofit.report import console
     "--out",
     default=None,
     metavar="DIR",
-    help="Directory for report.html and the plots (PNG and SVG) [default: autofit-report/STUDY].",
+    help="Directory for report.html and the plots (PNG and SVG) [default: autofit-out/STUDY].",
 )
 @db_option
 @json_option
 @handle_errors
 def report_cmd(study, out, db_url, as_json):
     """Write STUDY's report: report.html (opens offline) and its plots as PNG and SVG."""
-    from autofit.report.html import default_out_dir, write_report
+    from autofit.report.html import write_report
     from autofit.store import Store
+    from autofit.store.store import study_dir
 
     store = Store(db_url)
     rec = store.get_study(study)
-    files = write_report(store, rec.id, out or default_out_dir(rec))
+    files = write_report(store, rec.id, out or study_dir(rec))
     if as_json:
         click.echo(console.dumps(files.as_dict()))
         return

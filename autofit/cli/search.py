@@ -59,7 +59,12 @@ from autofit.report import analysis, console
 @click.option("--name", default=None, help="Name of the study (default: generated).")
 @click.option("--resume", is_flag=True, help="Continue the interrupted study of this request (or --name).")
 @click.option("--fresh", is_flag=True, help="Search again even if an identical finished study is stored.")
-@click.option("--out", default="autofit-out", show_default=True, help="Directory for the winner's config files.")
+@click.option(
+    "--out",
+    default=None,
+    metavar="DIR",
+    help="Directory for the winner's config files (and --report) [default: autofit-out/STUDY; '' for none].",
+)
 @click.option(
     "--config",
     "config_path",
@@ -162,6 +167,10 @@ def search(cctx: click.Context, **opts):
             err=True,
         )
     standing = analysis.standing(outcome.results, ctx)
+    if opts["out"] is None:  # one rule for every command that writes a study's files
+        from autofit.store.store import study_dir
+
+        opts = {**opts, "out": str(study_dir(outcome.study))}
     exported = []
     if standing.best is not None and opts["out"]:
         from autofit.export import export_plan
@@ -200,7 +209,7 @@ def _distributed(request, store, opts, progress):
         name = shlex.quote(rec.name)  # pasted into a shell: a name is never code
         click.echo(
             f"study {rec.name} created; on each node start:\n"
-            f"  autofit worker --study {name} --db {shlex.quote(store.masked_url)}\n"
+            f"  autofit worker {name} --db {shlex.quote(store.masked_url)}\n"
             f"then follow it with: autofit search ... --workers 0 --wait (or autofit show {name})",
             err=True,
         )

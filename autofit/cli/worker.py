@@ -12,7 +12,8 @@ from autofit.report import console
 
 
 @click.command()
-@click.option("--study", "-s", required=True, help="Name or id of the study to join (see `autofit history`).")
+@click.argument("study", required=False)
+@click.option("--study", "-s", "study_option", default=None, hidden=True, help="STUDY, as earlier versions took it.")
 @click.option(
     "--heartbeat",
     type=click.IntRange(min=1),
@@ -31,7 +32,7 @@ from autofit.report import console
 @db_option
 @json_option
 @handle_errors
-def worker(study, heartbeat, grace, quiet, db_url, as_json):
+def worker(study, study_option, heartbeat, grace, quiet, db_url, as_json):
     """Join STUDY through the shared database and evaluate trials until its budget is spent.
 
     Start it on every node that should help (`autofit search ... --workers 0` creates the
@@ -42,6 +43,11 @@ def worker(study, heartbeat, grace, quiet, db_url, as_json):
     from autofit.search.loop import request_from_study, run_worker
     from autofit.store import Store
 
+    if study is not None and study_option is not None and study != study_option:
+        raise click.UsageError(f"two studies given, {study!r} and --study {study_option!r}: give one")
+    study = study if study is not None else study_option
+    if study is None:
+        raise click.UsageError("give the study to join: autofit worker STUDY (its name or id: `autofit history`)")
     if grace <= heartbeat:
         raise click.ClickException(f"--grace ({grace}) must be longer than --heartbeat ({heartbeat})")
     store = Store(db_url)

@@ -28,22 +28,6 @@ from autofit.specs import Target
 from autofit.specs.units import GiB
 
 REPORT_NAME = "report.html"
-REPORT_ROOT = "autofit-report"
-
-
-def default_out_dir(rec) -> Path:
-    """``autofit-report/NAME``, or ``autofit-report/study-ID`` where the stored name is not a
-    safe path component. New names are checked when a study is created
-    (``store.check_study_name``), but a database written before that may hold any name,
-    ``../../x`` included, and the default must never put a report outside ``autofit-report``."""
-    from autofit.errors import StoreError
-    from autofit.store.store import check_study_name
-
-    try:
-        safe = check_study_name(rec.name) == rec.name
-    except StoreError:
-        safe = False
-    return Path(REPORT_ROOT) / (rec.name if safe else f"study-{int(rec.id)}")
 
 
 @dataclass(frozen=True)
@@ -460,8 +444,7 @@ def _config_files(rec, configs: dict[str, str] | None, notes: Sequence[str]) -> 
     parts = ['<h2 id="configs">Config files of the winner</h2>']
     if configs:
         parts.append(
-            f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))} --out DIR</code>; "
-            "launch them unchanged.</p>"
+            f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))}</code>; launch them unchanged.</p>"
         )
         parts += [
             f'<details open class="config"><summary>{_e(name)}</summary><pre><code>{_e(text)}</code></pre></details>'

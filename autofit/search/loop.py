@@ -1066,7 +1066,7 @@ def follow(
             if rec.status.value == "running":
                 raise AutofitError(
                     f"every worker of study {rec.name} stopped before it finished; "
-                    f"start more with `autofit worker --study {rec.name}`"
+                    f"start more with `autofit worker {rec.name}`"
                 )
             break
         time.sleep(poll_s)

@@ -90,7 +90,7 @@ def spawn_local_workers(study: str, db_url: str, k: int, request) -> Iterator[Ca
             env["CUDA_VISIBLE_DEVICES"] = subset
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
+                [sys.executable, "-m", "autofit", "worker", study, "--quiet"],
                 env=env,
                 start_new_session=True,
             )

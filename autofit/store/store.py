@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, case, create_engine, event, exists, func, or_, select
@@ -337,10 +338,26 @@ STUDY_NAME_MAX = 100
 _STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+OUT_ROOT = "autofit-out"
+
+
+def study_dir(rec) -> Path:
+    """Where a command writes a study's files when ``--out`` is not given (``search``: the
+    winner's configs and the report; ``export``; ``report``): ``autofit-out/NAME``, or
+    ``autofit-out/study-ID`` where the stored name is not a safe path component. New names are
+    checked when a study is created (:func:`check_study_name`), but a database written before
+    that may hold any name, ``../../x`` included, and the default must never leave ``autofit-out``."""
+    try:
+        safe = check_study_name(rec.name) == rec.name
+    except StoreError:
+        safe = False
+    return Path(OUT_ROOT) / (rec.name if safe else f"study-{int(rec.id)}")
+
+
 def check_study_name(name: str) -> str:
     """``name`` stripped, or a StoreError saying what a name may hold.
 
-    A name becomes a directory (``autofit report`` writes ``autofit-report/NAME``) and a word
+    A name becomes a directory (:func:`study_dir`: ``autofit-out/NAME``) and a word
     in printed shell commands, so it is a safe path component: letters, digits, ``.``, ``_``,
     ``-``, not leading with ``.`` or ``-`` (no ``..``, no hidden files, no options), and not
     only digits (those look a study up by id).

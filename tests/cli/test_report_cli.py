@@ -60,7 +60,7 @@ def test_report_command_writes_the_page_and_its_plots(tmp_path, monkeypatch):
     searched = json.loads(run("search", *ARGS, "--db", db, "--out", "", "--json").stdout)
     monkeypatch.chdir(tmp_path)  # the default --out is relative to the working directory
     data = json.loads(run("report", searched["study"], "--db", db, "--json").stdout)
-    assert data["html"] == f"autofit-report/{searched['study']}/report.html"
+    assert data["html"] == f"autofit-out/{searched['study']}/report.html"
     assert (tmp_path / data["html"]).exists()
     assert data["best"]["plan_id"] == searched["best"]["plan_id"]
     assert [p["name"] for p in data["plots"]] == ["memory-anatomy", "memory-vs-speed", "technique-effects"]
@@ -69,7 +69,7 @@ def test_report_command_writes_the_page_and_its_plots(tmp_path, monkeypatch):
     assert "accelerate_config.yaml" in data["configs"]
     assert data["technique_effects"]["toggles"] and data["standing"]["best"]["plan_id"] == data["best"]["plan_id"]
     r = run("report", "--help")
-    assert "report.html" in r.stdout and "--out DIR" in r.stdout
+    assert "report.html" in r.stdout and "autofit-out/STUDY" in r.stdout
 
 
 def test_report_and_show_of_an_unknown_study_are_one_clear_line(tmp_path):
@@ -90,9 +90,9 @@ def test_show_marks_the_winner_and_explains_the_losses(tight_study):
     assert shown["standing"]["best"]["plan_id"] == tight_study.outcome.best.plan.plan_id
 
 
-def test_a_stored_name_that_is_a_path_never_puts_the_report_outside_autofit_report(tmp_path, monkeypatch):
+def test_a_stored_name_that_is_a_path_never_puts_the_report_outside_autofit_out(tmp_path, monkeypatch):
     """Names are checked at creation, but an older database may hold any name: the default
-    report directory must stay under ./autofit-report whatever the stored name is."""
+    report directory must stay under ./autofit-out whatever the stored name is."""
     from sqlalchemy import update
 
     from autofit.store import Store
@@ -108,6 +108,6 @@ def test_a_stored_name_that_is_a_path_never_puts_the_report_outside_autofit_repo
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
     data = json.loads(run("report", "../../escape", "--db", db, "--json").stdout)
-    assert data["html"] == f"autofit-report/study-{study_id}/report.html"
+    assert data["html"] == f"autofit-out/study-{study_id}/report.html"
     assert (work / data["html"]).exists()
     assert list(tmp_path.rglob("escape")) == []  # nothing beside or above the working directory

@@ -172,7 +172,7 @@ def test_the_worker_hint_is_shell_quoted(tmp_path):
     r = run("search", *ARGS, "--db", str(path), "--out", "", "--workers", "0", "--resume", "--name", bad)
     line = next(ln for ln in r.stderr.splitlines() if "autofit worker" in ln)
     argv = shlex.split(line)
-    assert argv[argv.index("--study") + 1] == bad
+    assert argv[argv.index("worker") + 1] == bad
     assert resolve_url(argv[argv.index("--db") + 1]).database == str(path)
     assert not (tmp_path / "pwned").exists()
 

@@ -172,7 +172,6 @@ def test_a_worker_killed_mid_trial_is_noticed_and_the_study_completes(pg_url, tm
         "-m",
         "autofit",
         "worker",
-        "--study",
         study,
         "--heartbeat",
         "1",

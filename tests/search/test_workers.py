@@ -30,7 +30,7 @@ def make_study(db_url, trials, global_batch=8):
 def start_worker(db_url, study):
     env = {**os.environ, "AUTOFIT_DB": db_url}
     return subprocess.Popen(
-        [sys.executable, "-m", "autofit", "worker", "--study", study, "--quiet"],
+        [sys.executable, "-m", "autofit", "worker", study, "--quiet"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -157,12 +157,26 @@ def test_workers_zero_creates_the_study_and_a_worker_finishes_it(tmp_path):
     r = CliRunner().invoke(cli, [*args, "--workers", "0"])
     assert r.exit_code == 0, r.output
     study = json.loads(r.stdout)["study"]
-    assert "autofit worker --study" in r.stderr
-    w = CliRunner().invoke(cli, ["worker", "--study", study, "--db", db, "--json"])
+    assert f"autofit worker {study}" in r.stderr
+    w = CliRunner().invoke(cli, ["worker", study, "--db", db, "--json"])
     assert w.exit_code == 0, w.output
     assert json.loads(w.stdout)["best"]["fits"]
     with Store(db) as store:
         check_exact_budget(db, store.get_study(study), 5)
+
+
+def test_worker_takes_its_study_as_the_first_argument(tmp_path):
+    """STUDY is positional, as in show/export/report; ``--study`` (earlier versions) still reads the same."""
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    for args, fragment in [
+        ([], "give the study to join: autofit worker STUDY"),
+        (["a", "--study", "b"], "two studies given, 'a' and --study 'b'"),
+        (["nope"], "no study named 'nope'"),
+        (["--study", "nope"], "no study named 'nope'"),
+    ]:
+        r = CliRunner().invoke(cli, ["worker", *args, "--db", db])
+        assert r.exit_code != 0 and fragment in r.output, (args, r.output)
+        assert "Traceback" not in r.output
 
 
 def test_gpu_subsets_are_disjoint_and_sized():
