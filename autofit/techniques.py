@@ -165,8 +165,12 @@ def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
 
 
 def lora_kwargs(spec: ModelSpec, plan: Plan) -> dict[str, Any]:
-    """``peft.LoraConfig`` keyword arguments: alpha = 2·rank, the plan's dropout, no bias training."""
+    """``peft.LoraConfig`` keyword arguments: alpha = 2·rank, the plan's dropout, no bias training, and
+    for a causal LM its task (``get_peft_model`` then gives a ``PeftModelForCausalLM``, what the Trainer
+    and generation expect; peft has no masked-LM task, so BERT's adapters stay a plain ``PeftModel``)."""
+    kwargs: dict[str, Any] = {"task_type": "CAUSAL_LM"} if spec.family.task == "causal-lm" else {}
     return {
+        **kwargs,
         "r": plan.lora_rank,
         "lora_alpha": 2 * plan.lora_rank,
         "lora_dropout": plan.lora_dropout,

@@ -59,16 +59,20 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         "bf16": plan.precision is Precision.BF16_MIXED
         or (plan.precision is Precision.BF16_TRUE and plan.engine == "deepspeed"),
         "fp16": plan.precision is Precision.FP16_MIXED,
-        # transformers 5 renames these activation_checkpointing*; the old names still work
-        # there and are the only ones 4.x knows
-        "gradient_checkpointing": ckpt and not fsdp,
     }
+    flag, kwargs = checkpointing_names()
+    ta[flag] = ckpt and not fsdp
     if ckpt and not fsdp:
-        ta["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        ta[kwargs] = {"use_reentrant": False}
     if ckpt and fsdp:
         notes.append(
             "activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
-            "accelerate_config.yaml); keep gradient_checkpointing off"
+            f"accelerate_config.yaml); keep {flag} off"
+        )
+    if flag == "activation_checkpointing" and ckpt and not fsdp:
+        notes.append(
+            "the TrainingArguments names activation_checkpointing(_kwargs) are this transformers'; "
+            "versions before the rename call them gradient_checkpointing(_kwargs)"
         )
     if plan.engine == "deepspeed":
         ta["deepspeed"] = deepspeed_config_file
@@ -114,6 +118,24 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         )
     result["notes"] = notes
     return result
+
+
+# transformers 5.23.0 renamed TrainingArguments' gradient_checkpointing(_kwargs) to
+# activation_checkpointing(_kwargs), keeping the old pair as deprecated aliases to be removed in v6
+# (training_args.py; checked in the released wheels: 5.22.2 has only the old names, 5.23.0 both)
+_CHECKPOINTING_RENAMED = (5, 23)
+
+
+def checkpointing_names() -> tuple[str, str]:
+    """The ``TrainingArguments`` fields of activation checkpointing in the installed transformers
+    (read from its version: the export imports no transformers)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("transformers")).release[:2] >= _CHECKPOINTING_RENAMED:
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
 
 
 def quantization_kwargs(plan: Plan) -> dict[str, Any]:
@@ -162,20 +184,23 @@ def _no_switch(enabled: bool, helper: str, how: str, library: str) -> dict[str, 
 
 
 def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
-    """Every k-th block checkpointed: TrainingArguments' gradient_checkpointing would switch
-    every block on in ``Trainer.train``, so it stays off and the script sets the blocks'
-    ``GradientCheckpointingLayer.gradient_checkpointing`` flags itself."""
+    """Every k-th block checkpointed: TrainingArguments' checkpointing flag would switch every block
+    on in ``Trainer.train``, so it stays off and the script sets the blocks'
+    ``GradientCheckpointingLayer.gradient_checkpointing`` flags itself. (transformers 5's
+    ``every_n_layers`` checkpoints layers 0, k, 2k, ...; the plan's are k, 2k, ... counted from 1, as
+    torchtitan counts them, and a different set where k does not divide the layers.)"""
     if plan.checkpointing is not Checkpointing.SELECTIVE:
         return {"enabled": False}
     k = plan.checkpoint_every
+    flag, kwargs = checkpointing_names()
     return {
         "enabled": True,
         "every": k,
         "layers": [i for i, on in enumerate(checkpointed_layers(plan, ctx.model.num_layers)) if on],
         "helper": "autofit.evaluators.runtime.enable_checkpointing",
-        "how": "before building the Trainer: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "how": f"before building the Trainer: `model.{flag}_enable({kwargs}="
         '{"use_reentrant": False})`, then `for i, layer in enumerate(model.model.layers): '
-        f"layer.gradient_checkpointing = (i + 1) % {k} == 0` (keep gradient_checkpointing off in "
+        f"layer.gradient_checkpointing = (i + 1) % {k} == 0` (keep {flag} off in "
         "TrainingArguments: Trainer.train would switch every block on)",
         "library": f"torchtitan's layer-selective activation checkpointing (selective_ac_option = {k})",
     }

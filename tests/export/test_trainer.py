@@ -11,6 +11,7 @@ from autofit.evaluators import runtime
 from autofit.export import deepspeed_config, trainer_args
 from autofit.plan import Checkpointing, Method, Optimizer, Plan, Precision
 from autofit.techniques import dtype_layout
+from tests.conftest import tiny
 from tests.export.conftest import training_arguments_at
 from tests.export.plans import TARGETS, sweep, target
 
@@ -141,6 +142,35 @@ def test_transformers_catches_files_that_disagree(tmp_path):
         assert [m for m in hf.mismatches if "train_batch_size" in m]
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_the_exported_names_are_the_installed_libraries_own(tmp_path):
+    """No deprecated name: activation checkpointing under the TrainingArguments fields this
+    transformers has (the export reads them from its version), and the LoRA config's task, so
+    ``get_peft_model`` gives the causal-LM wrapper the Trainer expects."""
+    import warnings
+
+    from peft import LoraConfig, PeftModelForCausalLM
+    from transformers import TrainingArguments
+
+    from autofit.export.trainer import checkpointing_names
+
+    flag, kwargs = checkpointing_names()
+    assert {flag, kwargs} <= set(TrainingArguments.__dataclass_fields__)
+    assert "deprecated" not in TrainingArguments.__dataclass_fields__[flag].metadata.get("help", "").lower()
+    ctx = target("mistral-2xA10")
+    args = trainer_args(Plan(method="lora", lora_rank=8, micro_batch=1, grad_accum=8, checkpointing="full"), ctx)
+    ta = args["training_arguments"]
+    assert ta[flag] is True and ta[kwargs] == {"use_reentrant": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers warns on a deprecated name
+        _training_arguments(tmp_path, 1, ta)
+    assert args["peft"]["task_type"] == "CAUSAL_LM"
+    model = runtime.build_model(tiny("mistral-7b"), Plan(method="lora", lora_rank=8))  # the measured runs' model
+    assert isinstance(model, PeftModelForCausalLM)
+    assert LoraConfig(**args["peft"]).task_type == "CAUSAL_LM"
+    bert = Plan(method="lora", lora_rank=8, micro_batch=1, grad_accum=8)
+    assert "task_type" not in trainer_args(bert, target("bert-2xRTX4090"))["peft"]
 
 
 def test_bf16_true_outside_deepspeed_is_a_bf16_model_without_autocast():
