@@ -40,10 +40,6 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
     checked(plan, ctx)
     hp = hyperparameters(plan)
     lay = dtype_layout(plan)
-    fsdp = plan.engine == "fsdp"
-    ckpt = plan.checkpointing is Checkpointing.FULL
-    notes: list[str] = []
-
     ta: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -60,20 +56,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         or (plan.precision is Precision.BF16_TRUE and plan.engine == "deepspeed"),
         "fp16": plan.precision is Precision.FP16_MIXED,
     }
-    flag, kwargs = checkpointing_names()
-    ta[flag] = ckpt and not fsdp
-    if ckpt and not fsdp:
-        ta[kwargs] = {"use_reentrant": False}
-    if ckpt and fsdp:
-        notes.append(
-            "activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
-            f"accelerate_config.yaml); keep {flag} off"
-        )
-    if flag == "activation_checkpointing" and ckpt and not fsdp:
-        notes.append(
-            "the TrainingArguments names activation_checkpointing(_kwargs) are this transformers'; "
-            "versions before the rename call them gradient_checkpointing(_kwargs)"
-        )
+    notes = _full_checkpointing(ta, plan)
     if plan.engine == "deepspeed":
         ta["deepspeed"] = deepspeed_config_file
         if plan.optimizer is Optimizer.ADAMW:
@@ -124,6 +107,27 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
 # activation_checkpointing(_kwargs), keeping the old pair as deprecated aliases to be removed in v6
 # (training_args.py; checked in the released wheels: 5.22.2 has only the old names, 5.23.0 both)
 _CHECKPOINTING_RENAMED = (5, 23)
+
+
+def _full_checkpointing(ta: dict[str, Any], plan: Plan) -> list[str]:
+    """Every block checkpointed: the Trainer's switch, or FSDP's own (accelerate_config.yaml); the notes."""
+    ckpt, fsdp = plan.checkpointing is Checkpointing.FULL, plan.engine == "fsdp"
+    flag, kwargs = checkpointing_names()
+    ta[flag] = ckpt and not fsdp
+    if ckpt and fsdp:
+        return [
+            "activation checkpointing is FSDP's (fsdp_activation_checkpointing in "
+            f"accelerate_config.yaml); keep {flag} off"
+        ]
+    if not ckpt:
+        return []
+    ta[kwargs] = {"use_reentrant": False}
+    if flag != "activation_checkpointing":
+        return []
+    return [
+        "the TrainingArguments names activation_checkpointing(_kwargs) are this transformers'; "
+        "versions before the rename call them gradient_checkpointing(_kwargs)"
+    ]
 
 
 def checkpointing_names() -> tuple[str, str]:
