@@ -53,10 +53,11 @@ def _parse_list(text: str | None, enum, name: str) -> tuple | None:
         try:
             parsed.append(enum(v))  # our names or the tools' (``autofit.plan.ALIASES``)
         except ValueError:
-            raise SpecError(f"--{name} {text!r}: {v!r} is none of {enum.choices_text()}") from None
+            if v:  # an empty item (a trailing comma) is no choice
+                raise SpecError(f"--{name} {text!r}: {v!r} is none of {enum.choices_text()}") from None
     if not parsed:
         raise SpecError(f"--{name} {text!r}: choose from {enum.choices_text()}")
-    return tuple(dict.fromkeys(parsed))  # flash2,flash_attention_2 is one choice
+    return tuple(dict.fromkeys(parsed))  # adamw,adamw_torch is one choice
 
 
 @dataclass(frozen=True)

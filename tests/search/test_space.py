@@ -96,7 +96,7 @@ def test_bad_allowed_lists():
 
 
 def test_allowed_lists_take_the_names_of_other_tools():
-    a = Allowed.parse(optimizers="adamw_torch,adamw_bnb_8bit,adamw", precisions="bf16,no")
+    a = Allowed.parse(optimizers="adamw_torch,adamw_bnb_8bit,adamw,", precisions="bf16,no")
     assert [o.value for o in a.optimizers] == ["adamw", "adamw-8bit"]  # adamw_torch and adamw: one choice
     assert [p.value for p in a.precisions] == ["bf16-mixed", "32-true"]
 
