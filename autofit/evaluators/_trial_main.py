@@ -165,7 +165,8 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
 
     use_ds = _flag("ACCELERATE_USE_DEEPSPEED")
     # DeepSpeed: Accelerator(cpu=True) would silently drop it; its CPU accelerator needs no flag
-    acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum)
+    plugin = {"deepspeed_plugin": _deepspeed_plugin()} if use_ds else {}
+    acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum, **plugin)
     engine: dict[str, Any] = {
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     }
@@ -209,6 +210,24 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         engine=engine,
         step_plan=step_plan,
     )
+
+
+def _deepspeed_plugin():
+    """accelerate's DeepSpeed plugin on the exported ds_config.json as the Trainer runs it: its
+    ``"auto"`` values filled from the trainer_args.json beside it (``export.deepspeed.trainer_values``,
+    transformers' rules) before accelerate fills any itself, as ``TrainingArguments`` does before the
+    Trainer's accelerator exists. Left to accelerate, bf16 would follow its own mixed precision,
+    which the exported accelerate config leaves out next to a DeepSpeed file (accelerate refuses
+    both). A relative path is read from the working directory, as accelerate reads it."""
+    from accelerate import DeepSpeedPlugin
+
+    from autofit.export.common import TRAINER_ARGS_NAME
+    from autofit.export.deepspeed import filled, trainer_values
+
+    ds_file = Path(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"])
+    ta = json.loads((ds_file.parent / TRAINER_ARGS_NAME).read_text())["training_arguments"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DeepSpeedPlugin(hf_ds_config=filled(json.loads(ds_file.read_text()), trainer_values(ta, world)))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from autofit.export.common import (
     checked,
     write_files,
 )
-from autofit.export.deepspeed import NVME_PATH, deepspeed_config
+from autofit.export.deepspeed import NVME_PATH, deepspeed_config, validate
 from autofit.export.trainer import trainer_args
 from autofit.plan import Offload, OffloadDevice, Plan
 from autofit.specs import Target
@@ -43,11 +43,13 @@ def export_files(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict
     checked(plan, ctx)
     files: dict[str, str] = {}
     ds_file = None
+    args = trainer_args(plan, ctx, deepspeed_config_file=DS_CONFIG_NAME)
     if plan.engine == "deepspeed":
-        files[DS_CONFIG_NAME] = _json(deepspeed_config(plan, ctx, nvme_path=nvme_path))
+        cfg = deepspeed_config(plan, ctx, nvme_path=nvme_path)
+        validate(cfg, args["training_arguments"], ctx.cluster.world_size)  # as the Trainer will fill it
+        files[DS_CONFIG_NAME] = _json(cfg)
         ds_file = DS_CONFIG_NAME
     files[ACCELERATE_CONFIG_NAME] = accelerate_yaml(plan, ctx, ds_file)
-    args = trainer_args(plan, ctx, deepspeed_config_file=DS_CONFIG_NAME)
     files[TRAINER_ARGS_NAME] = _json(args)
     files[README_NAME] = _readme(plan, ctx, args, nvme_path)
     return files
@@ -105,8 +107,9 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if plan.engine == "deepspeed":
         rows.insert(
             0,
-            f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: batch sizes, precision, "
-            "buckets, offload, optimizer |",
+            f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: buckets, offload, optimizer; batch "
+            f"sizes, precision and the optimizer's hyperparameters are `auto`, filled by the Trainer from "
+            f"`{TRAINER_ARGS_NAME}` (change them there) |",
         )
     rows.append(
         f"| `{TRAINER_ARGS_NAME}` | keyword arguments for `TrainingArguments`, `from_pretrained`, "

@@ -1,17 +1,22 @@
-"""``ds_config.json``: the DeepSpeed configuration of a ZeRO plan, with every number concrete.
+"""``ds_config.json``: the DeepSpeed configuration of a ZeRO plan.
 
-No ``"auto"``: transformers would fill those in from whatever the training script passes,
-and the bucket sizes, batch sizes and precision are exactly what autofit's memory model
-assumed when it said the plan fits. The buckets come from ``techniques.deepspeed_buckets``,
-the same function the memory model reads.
+What defines the plan is written out: the ZeRO stage, offload, bucket sizes (from
+``techniques.deepspeed_buckets``, the function the memory model reads), the optimizer and its
+kernel. What the Trainer owns is ``"auto"`` (:data:`TRAINER_OWNED`): batch sizes, clipping, the
+optimizer's hyperparameters and bf16/fp16. transformers fills each from ``TrainingArguments``
+(``HfTrainerDeepSpeedConfig.trainer_config_process``), so ``trainer_args.json`` is the one place
+they are set and the two files cannot disagree; a concrete value there would make the Trainer
+refuse to start once the user changes the learning rate in one file only. The export fills them
+the same way and parses the result with DeepSpeed's own ``DeepSpeedConfig`` (:func:`validate`).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from autofit.errors import ExportError
-from autofit.export.common import checked, hyperparameters
+from autofit.export.common import checked
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
 from autofit.specs import ModelSpec, Target
 from autofit.techniques import deepspeed_buckets
@@ -32,22 +37,16 @@ def deepspeed_config(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> 
             "zero1/zero2/zero3 has a ds_config.json"
         )
     checked(plan, ctx)
-    hp = hyperparameters(plan)
     cfg: dict[str, Any] = {
-        "train_batch_size": plan.micro_batch * plan.grad_accum * ctx.cluster.world_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": hp.max_grad_norm,
+        "train_batch_size": AUTO,
+        "train_micro_batch_size_per_gpu": AUTO,
+        "gradient_accumulation_steps": AUTO,
+        "gradient_clipping": AUTO,
     }
     cfg.update(_precision(plan))
     cfg["zero_optimization"] = _zero(plan, ctx.model, ctx.cluster.world_size, nvme_path)
     if plan.optimizer is Optimizer.ADAMW:
-        params: dict[str, Any] = {
-            "lr": hp.learning_rate,
-            "betas": [hp.adam_beta1, hp.adam_beta2],
-            "eps": hp.adam_epsilon,
-            "weight_decay": hp.weight_decay,
-        }
+        params: dict[str, Any] = {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}
         if plan.offload is Offload.NONE:
             # torch's fused AdamW instead of DeepSpeed's FusedAdam: same states, one kernel,
             # no temporaries, and no CUDA extension to JIT-compile on the user's machine
@@ -66,15 +65,91 @@ def deepspeed_config(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> 
     return cfg
 
 
+AUTO = "auto"
+# what transformers fills from TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process),
+# each with the trainer_args.json value it comes from (trainer_values)
+TRAINER_OWNED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+
+
+def trainer_values(training_arguments: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """What the Trainer puts in place of each ``"auto"``, from ``trainer_args.json``'s
+    ``training_arguments`` on ``world_size`` ranks: the rules of transformers'
+    ``HfTrainerDeepSpeedConfig.trainer_config_process`` (a test holds the two together)."""
+    ta = training_arguments
+    mb, ga = ta["per_device_train_batch_size"], ta["gradient_accumulation_steps"]
+    return {
+        "train_batch_size": world_size * mb * ga,
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": ta["max_grad_norm"],
+        "optimizer.params.lr": ta["learning_rate"],
+        "optimizer.params.betas": [ta["adam_beta1"], ta["adam_beta2"]],
+        "optimizer.params.eps": ta["adam_epsilon"],
+        "optimizer.params.weight_decay": ta["weight_decay"],
+        "fp16.enabled": bool(ta.get("fp16")),
+        "bf16.enabled": bool(ta.get("bf16")),
+    }
+
+
+def filled(cfg: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``cfg`` with each ``"auto"`` at a dotted key of ``values`` replaced by its value."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) == AUTO:
+            node[leaf] = value
+    return out
+
+
+def validate(cfg: dict[str, Any], training_arguments: dict[str, Any], world_size: int) -> None:
+    """Raise ``ExportError`` unless DeepSpeed's own ``DeepSpeedConfig`` accepts ``cfg`` as the Trainer
+    fills it. DeepSpeed reads the world size from a process group, which an export has not, and
+    would take 1: the global batch (checked with the plan) is left for it to derive."""
+    import contextlib
+    import logging
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout, where --json goes
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        logger = logging.getLogger("DeepSpeed")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            config = filled(cfg, trainer_values(training_arguments, world_size))
+            config.pop("train_batch_size")
+            DeepSpeedConfig(config)
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed raises assertions, pydantic and value errors
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+            raise ExportError(f"DeepSpeed refuses the exported ds_config.json: {' '.join(lines)}") from exc
+        finally:
+            logger.setLevel(level)
+
+
 def _precision(plan: Plan) -> dict[str, Any]:
-    """bf16 or fp16 section. DeepSpeed keeps fp32 master weights and states for both 16-bit
-    precisions, which is what the memory model assumes for bf16-true under DeepSpeed too."""
+    """bf16 or fp16 section, enabled by the Trainer's bf16/fp16 (``"auto"``). DeepSpeed keeps fp32
+    master weights and states for both 16-bit precisions, which is what the memory model assumes
+    for bf16-true under DeepSpeed too."""
     if plan.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE):
-        return {"bf16": {"enabled": True}}
+        return {"bf16": {"enabled": AUTO}}
     if plan.precision is Precision.FP16_MIXED:
         return {
             "fp16": {
-                "enabled": True,
+                "enabled": AUTO,
                 "loss_scale": 0,  # dynamic loss scaling
                 "initial_scale_power": 16,
                 "loss_scale_window": 1000,

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from autofit.errors import ExportError
-from autofit.export import deepspeed_config
-from autofit.export.deepspeed import NVME_PATH, nvme_param_buffer
+from autofit.export import deepspeed_config, trainer_args
+from autofit.export.deepspeed import NVME_PATH, TRAINER_OWNED, filled, nvme_param_buffer, trainer_values
 from autofit.plan import Offload, OffloadDevice, Optimizer, Plan, Precision
 from autofit.techniques import deepspeed_buckets
 from tests.export.plans import TARGETS, sweep, target
@@ -21,22 +21,23 @@ _PRECISION = {  # (bf16 enabled, fp16 enabled) in DeepSpeed
 }
 
 
-def _has_auto(value) -> bool:
-    if isinstance(value, dict):
-        return any(_has_auto(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_auto(v) for v in value)
-    return value == "auto"
-
-
 def _value(device) -> str:
     return getattr(device, "value", device)  # DeepSpeed stores the enum's value
 
 
+def _auto_keys(value, prefix="") -> set[str]:
+    if isinstance(value, dict):
+        return {k for key, v in value.items() for k in _auto_keys(v, f"{prefix}{key}.")}
+    return {prefix[:-1]} if value == "auto" else set()
+
+
 def check(plan, ctx, cfg, parsed) -> None:
-    """Every number DeepSpeed parsed is the plan's, and the buckets are the memory model's."""
+    """What the Trainer owns is "auto" and nothing else; filled as the Trainer fills it from
+    trainer_args.json, every number DeepSpeed parsed is the plan's, and the buckets are the memory
+    model's."""
     world = ctx.cluster.world_size
-    assert not _has_auto(cfg)
+    assert _auto_keys(cfg) <= set(TRAINER_OWNED) and {"train_batch_size", "gradient_clipping"} <= _auto_keys(cfg)
+    assert ("optimizer.params.lr" in _auto_keys(cfg)) is (plan.optimizer is Optimizer.ADAMW)
     assert json.loads(json.dumps(cfg)) == cfg  # plain JSON
     assert parsed.world_size == world
     assert parsed.train_batch_size == ctx.workload.global_batch
@@ -93,17 +94,23 @@ def test_every_deepspeed_plan_parses_at_its_world_size(name, ds_parse):
     for plan in plans:
         cfg = deepspeed_config(plan, ctx)
         try:
-            check(plan, ctx, cfg, ds_parse(cfg, ctx.cluster.world_size))
+            check(plan, ctx, cfg, ds_parse(trainer_filled(plan, ctx, cfg), ctx.cluster.world_size))
         except Exception as exc:  # collect them all: one line per failing plan
             failures.append(f"{plan.summary()}: {type(exc).__name__}: {exc}")
     assert not failures, "\n".join(failures[:20])
+
+
+def trainer_filled(plan, ctx, cfg):
+    """``cfg`` with its "auto" values as the Trainer fills them from the exported trainer_args.json."""
+    ta = trainer_args(plan, ctx)["training_arguments"]
+    return filled(cfg, trainer_values(ta, ctx.cluster.world_size))
 
 
 def test_parser_rejects_what_a_wrong_export_would_contain(ds_parse):
     """The checks above can fail: DeepSpeed refuses a typo'd key and a batch that does not add up."""
     ctx = target("mistral-2xA10")
     plan = Plan(method="lora", lora_rank=16, micro_batch=2, grad_accum=4, sharding="zero2")
-    cfg = deepspeed_config(plan, ctx)
+    cfg = trainer_filled(plan, ctx, deepspeed_config(plan, ctx))
     ds_parse(cfg, 2)
     with pytest.raises(AssertionError, match="train_batch_size"):
         ds_parse(cfg, 4)  # the same file on twice the GPUs
@@ -117,8 +124,8 @@ def test_zero2_bf16_numbers():
     ctx = target("mistral-2xA10")
     plan = Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=8, sharding="zero2", checkpointing="full")
     cfg = deepspeed_config(plan, ctx)
-    assert cfg["train_batch_size"] == 16
-    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["train_batch_size"] == "auto" and trainer_filled(plan, ctx, cfg)["train_batch_size"] == 16
+    assert cfg["bf16"] == {"enabled": "auto"}
     assert "fp16" not in cfg
     assert cfg["zero_optimization"] == {
         "stage": 2,
@@ -130,10 +137,10 @@ def test_zero2_bf16_numbers():
     assert cfg["optimizer"] == {
         "type": "AdamW",
         "params": {
-            "lr": 2e-4,
-            "betas": [0.9, 0.999],
-            "eps": 1e-8,
-            "weight_decay": 0.0,
+            "lr": "auto",
+            "betas": "auto",
+            "eps": "auto",
+            "weight_decay": "auto",
             "torch_adam": True,
             "fused": True,
         },
@@ -144,8 +151,9 @@ def test_fp16_has_dynamic_loss_scaling_and_fp32_has_no_precision_section(ds_pars
     ctx = target("llama2-4xV100")
     fp16 = Plan(precision="fp16-mixed", micro_batch=1, grad_accum=8, sharding="zero3", offload="optimizer")
     cfg = deepspeed_config(fp16, ctx)
-    assert cfg["fp16"]["enabled"] is True and cfg["fp16"]["loss_scale"] == 0
-    assert ds_parse(cfg, 4).float16_config.initial_dynamic_scale() == 2**16
+    assert cfg["fp16"]["enabled"] == "auto" and cfg["fp16"]["loss_scale"] == 0
+    parsed = ds_parse(trainer_filled(fp16, ctx, cfg), 4)
+    assert parsed.float16_config.enabled and parsed.float16_config.initial_dynamic_scale() == 2**16
     fp32 = fp16.replace(precision="32-true")
     cfg = deepspeed_config(fp32, ctx)
     assert "fp16" not in cfg and "bf16" not in cfg
@@ -168,8 +176,28 @@ def test_nvme_offload_buffers_hold_the_largest_parameter_partition(ds_parse):
     # 128256 × 8192 embedding over 16 ranks = 65,667,072 elements: under DeepSpeed's 1e8 default
     assert param["buffer_size"] == 10**8 == nvme_param_buffer(ctx.model, 16)
     assert nvme_param_buffer(ctx.model, 8) == 131_334_144  # 8 ranks: above it
-    parsed = ds_parse(cfg, 16)
+    parsed = ds_parse(trainer_filled(plan, ctx, cfg), 16)
     assert parsed.zero_config.offload_param.buffer_size == 10**8
+
+
+def test_the_export_is_validated_by_deepspeed_with_the_trainers_values(monkeypatch):
+    """``export_files`` parses ds_config.json with DeepSpeed's DeepSpeedConfig, filled from the
+    trainer_args.json it writes beside it; what DeepSpeed refuses is one ExportError."""
+    import autofit.export as export
+    from autofit.export.deepspeed import validate
+
+    ctx = target("mistral-2xA10")
+    plan = Plan(method="lora", lora_rank=16, micro_batch=2, grad_accum=4, sharding="zero3", offload="optimizer")
+    ta = trainer_args(plan, ctx)["training_arguments"]
+    validate(deepspeed_config(plan, ctx), ta, 2)
+    validate(deepspeed_config(plan, ctx), {**ta, "learning_rate": 3e-5, "per_device_train_batch_size": 8}, 2)
+    bad = deepspeed_config(plan, ctx)
+    bad["zero_optimization"]["offload_optimizer"]["device"] = "gpu"
+    with pytest.raises(ExportError, match="DeepSpeed refuses the exported ds_config.json.*offload_optimizer"):
+        validate(bad, ta, 2)
+    monkeypatch.setattr(export, "deepspeed_config", lambda plan, ctx, nvme_path: bad)
+    with pytest.raises(ExportError, match="DeepSpeed refuses"):
+        export.export_files(plan, ctx)
 
 
 def test_non_deepspeed_plan_has_no_ds_config():

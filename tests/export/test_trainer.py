@@ -9,6 +9,7 @@ import pytest
 
 from autofit.evaluators import runtime
 from autofit.export import deepspeed_config, trainer_args
+from autofit.export.deepspeed import filled, trainer_values
 from autofit.plan import Checkpointing, Method, Optimizer, Plan, Precision
 from autofit.techniques import dtype_layout
 from tests.conftest import tiny
@@ -53,11 +54,13 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
 
     if plan.engine == "deepspeed":
         assert ta["deepspeed"] == "ds_config.json"
-        # transformers' own comparison of the two files, at the plan's world size
-        hf = HfTrainerDeepSpeedConfig(deepspeed_config(plan, ctx))
+        # transformers fills the "auto" values at the plan's world size: as autofit fills them
+        cfg = deepspeed_config(plan, ctx)
+        hf = HfTrainerDeepSpeedConfig(cfg)
         try:
             hf.trainer_config_process(targs)
             assert hf.mismatches == []
+            assert hf.config == filled(cfg, trainer_values(ta, world))
         finally:
             unset_hf_deepspeed_config()
     if plan.engine != "deepspeed" or plan.optimizer is not Optimizer.ADAMW:
@@ -124,22 +127,27 @@ def test_every_plan_constructs_in_the_libraries(name, tmp_path):
     assert not failures, "\n".join(failures[:20])
 
 
-def test_transformers_catches_files_that_disagree(tmp_path):
-    """The DeepSpeed comparison above can fail: a learning rate edited in one file only."""
+def test_the_trainers_values_can_change_in_trainer_args_alone(tmp_path, ds_parse):
+    """What the Trainer owns is "auto" in ds_config.json: a learning rate, batch size or clipping
+    changed in trainer_args.json alone is filled in, with no mismatch, and DeepSpeed parses the
+    result at the world size. The check can fail: a concrete learning rate that differs is refused."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
     ctx = target("mistral-2xA10")
     plan = Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=8, sharding="zero2")
     ta = trainer_args(plan, ctx)["training_arguments"]
-    edited = deepspeed_config(plan, ctx)
-    edited["optimizer"]["params"]["lr"] = 1e-3
+    changed = {**ta, "learning_rate": 1e-3, "max_grad_norm": 0.5, "per_device_train_batch_size": 2}
     try:
-        hf = HfTrainerDeepSpeedConfig(edited)
-        hf.trainer_config_process(_training_arguments(tmp_path, 2, ta))
-        assert [m for m in hf.mismatches if "optimizer.params.lr" in m]
         hf = HfTrainerDeepSpeedConfig(deepspeed_config(plan, ctx))
-        hf.trainer_config_process(_training_arguments(tmp_path, 4, ta))  # the same files on 4 GPUs
-        assert [m for m in hf.mismatches if "train_batch_size" in m]
+        hf.trainer_config_process(_training_arguments(tmp_path, 2, changed))
+        assert hf.mismatches == []
+        parsed = ds_parse(hf.config, 2)
+        assert (parsed.optimizer_params["lr"], parsed.gradient_clipping, parsed.train_batch_size) == (1e-3, 0.5, 32)
+        concrete = deepspeed_config(plan, ctx)
+        concrete["optimizer"]["params"]["lr"] = 2e-4  # what an export with numbers held
+        hf = HfTrainerDeepSpeedConfig(concrete)
+        hf.trainer_config_process(_training_arguments(tmp_path, 2, changed))
+        assert [m for m in hf.mismatches if "optimizer.params.lr" in m]
     finally:
         unset_hf_deepspeed_config()
 
