@@ -1,8 +1,7 @@
-"""What every exported file shares: names, the hyperparameters the files must agree on, safe writes.
+"""What every exported file shares: names, the hyperparameters, safe writes.
 
-transformers checks at start-up that ``ds_config.json`` and ``TrainingArguments`` agree on
-the learning rate, betas, epsilon, weight decay, clipping and batch sizes, and refuses to
-train when they differ; both files therefore take these numbers from here.
+The hyperparameters are written once, in ``trainer_args.json``; ``ds_config.json`` leaves them
+``"auto"`` for the Trainer to fill (``export.deepspeed``), so the two files cannot disagree.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ README_NAME = "README.md"
 
 @dataclass(frozen=True)
 class Hyperparameters:
-    """Optimizer settings that change neither memory nor speed; the user tunes them in both files."""
+    """Optimizer settings that change neither memory nor speed; the user tunes them in trainer_args.json."""
 
     learning_rate: float
     adam_beta1: float

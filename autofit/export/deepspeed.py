@@ -29,6 +29,23 @@ NVME_PATH = "/local_nvme"
 _NVME_PARAM_BUFFER = 10**8
 
 
+AUTO = "auto"
+# what transformers fills from TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process),
+# each with the trainer_args.json value it comes from (trainer_values)
+TRAINER_OWNED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+
+
 def deepspeed_config(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict[str, Any]:
     """The complete DeepSpeed config of ``plan`` on ``ctx``'s cluster (DeepSpeed plans only)."""
     if plan.engine != "deepspeed":
@@ -63,23 +80,6 @@ def deepspeed_config(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> 
         # (TrainingArguments.optim); ZeRO wraps it but asks for this flag first.
         cfg["zero_allow_untested_optimizer"] = True
     return cfg
-
-
-AUTO = "auto"
-# what transformers fills from TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process),
-# each with the trainer_args.json value it comes from (trainer_values)
-TRAINER_OWNED = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "optimizer.params.lr",
-    "optimizer.params.betas",
-    "optimizer.params.eps",
-    "optimizer.params.weight_decay",
-    "fp16.enabled",
-    "bf16.enabled",
-)
 
 
 def trainer_values(training_arguments: dict[str, Any], world_size: int) -> dict[str, Any]:
