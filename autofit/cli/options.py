@@ -80,10 +80,6 @@ class EnumChoice(click.Choice):
             self.fail(f"{value!r} is none of {self.enum.choices_text()}", param, ctx)
 
 
-def _choice(enum) -> click.Choice:
-    return EnumChoice(enum)
-
-
 def target_options(fn: Callable | None = None, *, required: bool = True) -> Callable:
     """--model, --gpus and the cluster/workload shape (``required=False`` where a study file may give them)."""
     if fn is None:
@@ -159,14 +155,14 @@ def target_options(fn: Callable | None = None, *, required: bool = True) -> Call
 def plan_options(fn: Callable) -> Callable:
     """One option per Plan field."""
     decorators = [
-        click.option("--method", type=_choice(Method), default="full", show_default=True),
+        click.option("--method", type=EnumChoice(Method), default="full", show_default=True),
         click.option(
             "--lora-rank",
             type=click.IntRange(min=1),
             default=None,
             help="LoRA rank (lora, lora-8bit, qlora; default 16).",
         ),
-        click.option("--lora-targets", type=_choice(LoraTargets), default="all-linear", show_default=True),
+        click.option("--lora-targets", type=EnumChoice(LoraTargets), default="all-linear", show_default=True),
         click.option(
             "--lora-dropout",
             type=click.FloatRange(0.0, 1.0, max_open=True),
@@ -175,16 +171,16 @@ def plan_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--precision",
-            type=_choice(Precision),
+            type=EnumChoice(Precision),
             default=None,
             help="Default: bf16-mixed where the GPU has bf16, else fp16-mixed.",
         ),
-        click.option("--optimizer", type=_choice(Optimizer), default="adamw", show_default=True),
+        click.option("--optimizer", type=EnumChoice(Optimizer), default="adamw", show_default=True),
         click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True),
         click.option(
             "--grad-accum", type=click.IntRange(min=1), default=None, help="Default: what the global batch needs."
         ),
-        click.option("--checkpointing", type=_choice(Checkpointing), default="none", show_default=True),
+        click.option("--checkpointing", type=EnumChoice(Checkpointing), default="none", show_default=True),
         click.option(
             "--checkpoint-every",
             type=click.IntRange(min=2),
@@ -195,13 +191,13 @@ def plan_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--attention",
-            type=_choice(Attention),
+            type=EnumChoice(Attention),
             default=None,
             help="Default: sdpa where the model implements it, else eager (BLOOM).",
         ),
-        click.option("--sharding", type=_choice(Sharding), default="none", show_default=True),
-        click.option("--offload", type=_choice(Offload), default="none", show_default=True),
-        click.option("--offload-device", type=_choice(OffloadDevice), default="cpu", show_default=True),
+        click.option("--sharding", type=EnumChoice(Sharding), default="none", show_default=True),
+        click.option("--offload", type=EnumChoice(Offload), default="none", show_default=True),
+        click.option("--offload-device", type=EnumChoice(OffloadDevice), default="cpu", show_default=True),
         click.option("--packing/--no-packing", default=False, show_default=True),
         click.option("--fused-loss/--no-fused-loss", default=False, show_default=True),
         click.option(

@@ -97,8 +97,8 @@ def trainer_values(training_arguments: dict[str, Any], world_size: int) -> dict[
         "optimizer.params.betas": [ta["adam_beta1"], ta["adam_beta2"]],
         "optimizer.params.eps": ta["adam_epsilon"],
         "optimizer.params.weight_decay": ta["weight_decay"],
-        "fp16.enabled": bool(ta.get("fp16")),
-        "bf16.enabled": bool(ta.get("bf16")),
+        "fp16.enabled": ta["fp16"],
+        "bf16.enabled": ta["bf16"],
     }
 
 
@@ -123,7 +123,9 @@ def validate(cfg: dict[str, Any], training_arguments: dict[str, Any], world_size
     import logging
     import sys
 
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout, where --json goes
+    # DeepSpeed's logger writes to the sys.stdout of its import (utils/logging.py), where --json
+    # goes: imported here, it binds to stderr; imported before, only its level keeps stdout clean
+    with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.runtime.config import DeepSpeedConfig
 
         logger = logging.getLogger("DeepSpeed")

@@ -9,6 +9,7 @@ loss must be built for the memory the plan was judged by. LoRA and dtype choices
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
@@ -130,6 +131,7 @@ def _full_checkpointing(ta: dict[str, Any], plan: Plan) -> list[str]:
     ]
 
 
+@functools.cache
 def checkpointing_names() -> tuple[str, str]:
     """The ``TrainingArguments`` fields of activation checkpointing in the installed transformers
     (read from its version: the export imports no transformers)."""
