@@ -163,6 +163,8 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
+    from autofit.evaluators import engines
+
     use_ds = _flag("ACCELERATE_USE_DEEPSPEED")
     # DeepSpeed: Accelerator(cpu=True) would silently drop it; its CPU accelerator needs no flag
     plugin = {"deepspeed_plugin": _deepspeed_plugin()} if use_ds else {}
@@ -171,9 +173,7 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     }
     step_plan = plan
-    fsdp_by_us = _flag("ACCELERATE_USE_FSDP") and acc.distributed_type is not DistributedType.FSDP
-    if fsdp_by_us:
-        _switch_to_fsdp(acc)
+    fsdp_by_us = engines.fsdp_on_cpu(acc)
     if acc.distributed_type is DistributedType.FSDP and plan.checkpointing is Checkpointing.FULL:
         # FSDP checkpoints each wrapped layer itself (fsdp_activation_checkpointing); the
         # model's own checkpointing stays off, as the exported trainer_args say
@@ -191,12 +191,8 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         optimizer = rt.make_optimizer(plan, model)
     facts = _model_facts(model)
     model, optimizer = acc.prepare(model, optimizer)
-    engine.update(_describe(acc, model, optimizer), **facts)
-    engine["fsdp_applied_by"] = (
-        "autofit (accelerate does not select FSDP on the CPU)"
-        if fsdp_by_us
-        else ("accelerate" if acc.distributed_type is DistributedType.FSDP else None)
-    )
+    engine.update(engines.describe(acc, model, optimizer), **facts)
+    engine["fsdp_applied_by"] = engines.fsdp_applied_by(acc, fsdp_by_us)
     # accelerator.accumulate and accelerator.backward around each micro-batch, as the Trainer does
     backward = acc.backward
     if use_ds:
@@ -266,27 +262,6 @@ def _deepspeed_backward(acc, engine, tracker):
     return backward
 
 
-def _switch_to_fsdp(acc) -> None:
-    """Select accelerate's FSDP path where its state machine refused it.
-
-    accelerate never selects FSDP without an accelerator device (``distributed_type``
-    stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the launcher's environment says FSDP
-    (``ACCELERATE_USE_FSDP``) the plugin is read from that same environment and the state
-    switched before ``prepare``, so accelerate's own FSDP2 path runs over the gloo group
-    the launcher created (docs/EVALUATORS.md).
-    """
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_*: the exported fsdp_config
-    if acc.mixed_precision != "no":
-        plugin.set_mixed_precision(acc.mixed_precision)
-    state = acc.state
-    state.fsdp_plugin = plugin
-    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
-        shared["distributed_type"] = DistributedType.FSDP
-
-
 def _model_facts(model) -> dict[str, Any]:
     """What the plan made of the model (before an engine reshapes it): 4-bit layers, trainables, checkpointing."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -304,53 +279,6 @@ def _model_facts(model) -> dict[str, Any]:
             getattr(inner, "is_activation_checkpointing", getattr(inner, "is_gradient_checkpointing", False))
         ),
     }
-
-
-def _describe(acc, model, optimizer) -> dict[str, Any]:
-    """What really runs: accelerate's view, the engine's class and its settings."""
-    import torch
-
-    out: dict[str, Any] = {
-        "distributed_type": str(acc.distributed_type.value),
-        "num_processes": acc.num_processes,
-        "mixed_precision": acc.mixed_precision,
-        "model_class": type(model).__name__,
-        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-    }
-    if type(model).__name__ == "DeepSpeedEngine":
-        out.update(
-            zero_stage=model.zero_optimization_stage(),
-            train_batch_size=model.train_batch_size(),
-            micro_batch=model.train_micro_batch_size_per_gpu(),
-            grad_accum=model.gradient_accumulation_steps(),
-            zero_optimizer=type(model.optimizer).__name__,
-            inner_optimizer=type(getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
-            bf16=model.bfloat16_enabled(),
-        )
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-        if sharded:
-            p = next(model.parameters())
-            local = p.to_local() if hasattr(p, "to_local") else p
-            out.update(
-                fsdp_modules=len(sharded),
-                fsdp_param_type=type(p).__name__,
-                fsdp_placements=[str(x) for x in getattr(p, "placements", ())],
-                fsdp_local_numel=local.numel(),
-                fsdp_global_numel=p.numel(),
-            )
-    except ImportError:
-        pass
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        out["ddp"] = True
-    # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
-    # (isinstance: fully_shard renames the class of what it shards)
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    out["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    return out
 
 
 def _engine_marks(tracker, setup: Setup) -> None:

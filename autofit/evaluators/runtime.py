@@ -619,6 +619,30 @@ def chunked_cross_entropy(
     return total / (y != IGNORE_INDEX).sum().clamp(min=1)
 
 
+def chunked_loss(
+    base: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    masked_lm: bool = False,
+    before_head: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """The loss of ``batch`` without the full logits: the model's body, then
+    :func:`chunked_cross_entropy` through its output head (the stand-in for Liger's fused
+    linear cross-entropy). ``base`` is the transformers model (a PEFT model's base model);
+    ``before_head`` sees the last hidden state before the head reads it."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    body = base.base_model if hasattr(base, "base_model") else base
+    hidden = body(**inputs, use_cache=False).last_hidden_state
+    if masked_lm:
+        hidden = base.cls.predictions.transform(hidden)
+    else:
+        labels = _shift(labels)
+    if before_head is not None:
+        before_head(hidden)
+    softcap = getattr(base.config, "final_logit_softcapping", None)
+    return chunked_cross_entropy(hidden, base.get_output_embeddings(), labels, softcap)
+
+
 def _shift(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
@@ -656,8 +680,6 @@ class StepRunner:
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         self.base = base
         self.head = base.get_output_embeddings()
-        cfg = base.config
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self._hooks = []
         if tracker is not None and not plan.fused_loss:
             self._hooks.append(self.head.register_forward_pre_hook(self._enter_logits))
@@ -721,19 +743,13 @@ class StepRunner:
         if not self.plan.fused_loss:
             out = self.model(**batch, use_cache=False)
             return out.loss
-        labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        body = self.base.base_model if hasattr(self.base, "base_model") else self.base
-        hidden = body(**inputs, use_cache=False).last_hidden_state
-        if self.spec.family.task == "masked-lm":
-            hidden = self.base.cls.predictions.transform(hidden)
-        else:
-            labels = _shift(labels)
+        return chunked_loss(self.base, batch, self.spec.family.task == "masked-lm", self._before_head)
+
+    def _before_head(self, hidden: torch.Tensor) -> None:
         if self.tracker is not None:
             self._enter_logits(self.head, (hidden,))
         if self._offload is not None:  # the loss reads the head's weight itself
             self._offload.stop()
-        return chunked_cross_entropy(hidden, self.head, labels, self.softcap)
 
     def step(self, batches: list[dict[str, torch.Tensor]], step: int = 0) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""

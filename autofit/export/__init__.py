@@ -1,29 +1,37 @@
 """Export a plan as the files a user launches unchanged: DeepSpeed, Accelerate, Trainer.
 
 ``export_plan(plan, ctx, out_dir)`` writes ``ds_config.json`` (DeepSpeed plans),
-``accelerate_config.yaml``, ``trainer_args.json`` and a short ``README.md`` with the
-launch command. May import techniques, plan and specs (never an evaluator: the measured
-evaluator launches these files, so it sits above); imports without torch.
+``accelerate_config.yaml``, ``trainer_args.json``, ``plan.json`` (the plan and what it was
+expected to use), ``train.py`` (the training script, ``templates/train.py``) and a short
+``README.md`` with the launch command. May import results, techniques, plan and specs (never
+an evaluator: the measured evaluator launches these files, so it sits above); imports without
+torch. ``train.py`` imports ``autofit.launch`` on the training machine: it is data here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from autofit.errors import ExportError
 from autofit.export.accelerate import accelerate_config, accelerate_yaml, distributed_type, write_accelerate_yaml
 from autofit.export.common import (
     ACCELERATE_CONFIG_NAME,
     DS_CONFIG_NAME,
+    PLAN_NAME,
     README_NAME,
+    TRAIN_SCRIPT_NAME,
     TRAINER_ARGS_NAME,
     checked,
     write_files,
 )
 from autofit.export.deepspeed import NVME_PATH, deepspeed_config, validate
-from autofit.export.trainer import trainer_args
+from autofit.export.trainer import model_reference, trainer_args
 from autofit.plan import Offload, OffloadDevice, Plan
+from autofit.results import TrialResult
 from autofit.specs import Target
 
 __all__ = [
@@ -31,15 +39,19 @@ __all__ = [
     "deepspeed_config",
     "export_files",
     "export_plan",
+    "plan_record",
     "trainer_args",
     "write_accelerate_yaml",
 ]
 
-LAUNCH = f"accelerate launch --config_file {ACCELERATE_CONFIG_NAME} train.py"
+LAUNCH = f"accelerate launch --config_file {ACCELERATE_CONFIG_NAME} {TRAIN_SCRIPT_NAME} --data train.jsonl"
 
 
-def export_files(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict[str, str]:
-    """The export as ``{file name: text}``, in the order a reader needs them."""
+def export_files(
+    plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH, expected: TrialResult | None = None
+) -> dict[str, str]:
+    """The export as ``{file name: text}``, in the order a reader needs them; ``expected`` is the
+    evaluation the plan was chosen by (its peak memory and tokens/s go to ``plan.json``)."""
     checked(plan, ctx)
     files: dict[str, str] = {}
     ds_file = None
@@ -51,17 +63,64 @@ def export_files(plan: Plan, ctx: Target, *, nvme_path: str = NVME_PATH) -> dict
         ds_file = DS_CONFIG_NAME
     files[ACCELERATE_CONFIG_NAME] = accelerate_yaml(plan, ctx, ds_file)
     files[TRAINER_ARGS_NAME] = _json(args)
+    files[PLAN_NAME] = _json(plan_record(plan, ctx, expected))
+    files[TRAIN_SCRIPT_NAME] = train_script()
+    files.update(model_reference(ctx.model)[1])
     files[README_NAME] = _readme(plan, ctx, args, nvme_path)
     return files
 
 
-def export_plan(plan: Plan, ctx: Target, out_dir: str | os.PathLike, *, nvme_path: str = NVME_PATH) -> list[Path]:
-    """Write the plan's config files into ``out_dir`` (created if needed); returns their paths.
+def export_plan(
+    plan: Plan,
+    ctx: Target,
+    out_dir: str | os.PathLike,
+    *,
+    nvme_path: str = NVME_PATH,
+    expected: TrialResult | None = None,
+) -> list[Path]:
+    """Write the plan's files into ``out_dir`` (created if needed); returns their paths.
 
     Raises ``ExportError`` with one line when the directory cannot be written; nothing
     half-written is left behind.
     """
-    return write_files(out_dir, export_files(plan, ctx, nvme_path=nvme_path))
+    return write_files(out_dir, export_files(plan, ctx, nvme_path=nvme_path, expected=expected))
+
+
+def train_script() -> str:
+    """The exported ``train.py``: the same for every plan, which it reads from the files beside it."""
+    return resources.files(__package__).joinpath("templates", TRAIN_SCRIPT_NAME).read_text(encoding="utf-8")
+
+
+def plan_record(plan: Plan, ctx: Target, expected: TrialResult | None = None) -> dict[str, Any]:
+    """``plan.json``: the plan (which ``autofit.launch`` rebuilds), its target, and what the
+    evaluation it was chosen by expects of one rank (null when the export has none)."""
+    if expected is not None and expected.plan != plan:
+        raise ExportError(f"the expected figures are of plan {expected.plan.plan_id}, not of {plan.plan_id}")
+    record: dict[str, Any] = {
+        "plan_id": plan.plan_id,
+        "summary": plan.summary(),
+        "plan": plan.as_dict(),
+        "target": {
+            "model": ctx.model.name,
+            "task": ctx.model.family.task,
+            "gpus": ctx.cluster.label,
+            "world_size": ctx.cluster.world_size,
+            "seq_len": ctx.workload.seq_len,
+            "global_batch": ctx.workload.global_batch,
+        },
+        "expected": None,
+    }
+    if expected is not None and expected.memory is not None and expected.throughput is not None:
+        record["expected"] = {
+            "evaluator": expected.evaluator,
+            "gpu": ctx.cluster.gpu.name,
+            "peak_allocated_bytes": expected.memory.peak_allocated,
+            "peak_reserved_bytes": expected.memory.peak_reserved,
+            "device_total_bytes": expected.memory.device_total,
+            "tokens_per_sec": expected.throughput.tokens_per_sec,
+            "step_time_s": expected.throughput.step_time_s,
+        }
+    return record
 
 
 def _json(data: dict) -> str:

@@ -20,6 +20,8 @@ DS_CONFIG_NAME = "ds_config.json"
 ACCELERATE_CONFIG_NAME = "accelerate_config.yaml"
 TRAINER_ARGS_NAME = "trainer_args.json"
 README_NAME = "README.md"
+PLAN_NAME = "plan.json"
+TRAIN_SCRIPT_NAME = "train.py"
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ def write_files(out_dir: str | os.PathLike, files: dict[str, str]) -> list[Path]
 
     Every file goes to a temporary name in the directory first and is renamed only once
     all are written, so a full disk or a permission problem leaves no half-written file.
-    Files are created with mode 0o666 minus the user's umask, like any editor's.
+    Files are created with mode 0o666 minus the user's umask, like any editor's. A name may hold
+    a folder (``model/config.json``).
     """
     out = Path(out_dir)
     try:
@@ -69,7 +72,8 @@ def write_files(out_dir: str | os.PathLike, files: dict[str, str]) -> list[Path]
     try:
         for name, text in files.items():
             final = out / name
-            tmp = out / f".{name}.{secrets.token_hex(4)}.tmp"
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.parent / f".{final.name}.{secrets.token_hex(4)}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             staged.append((tmp, final))
             with os.fdopen(fd, "w", encoding="utf-8") as fh:

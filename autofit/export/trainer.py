@@ -10,11 +10,12 @@ loss must be built for the memory the plan was judged by. LoRA and dtype choices
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 from autofit.export.common import DS_CONFIG_NAME, checked, hyperparameters
 from autofit.plan import Checkpointing, Method, Offload, Optimizer, Plan, Precision
-from autofit.specs import Target
+from autofit.specs import ModelSpec, Target
 from autofit.techniques import (
     ATTN_IMPL,
     INT8_THRESHOLD,
@@ -75,7 +76,7 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         ta["liger_kernel_config"] = liger_config(plan)
 
     result: dict[str, Any] = {
-        "model": ctx.model.source or ctx.model.name,
+        "model": model_reference(ctx.model)[0],
         "training_arguments": ta,
         "model_kwargs": {"attn_implementation": ATTN_IMPL[plan.attention], "dtype": lay.base},
         "peft": None,
@@ -102,6 +103,27 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
         )
     result["notes"] = notes
     return result
+
+
+# the folder of the export that carries a model config given as a loose file
+MODEL_DIR = "model"
+
+
+def model_reference(spec: ModelSpec) -> tuple[str, dict[str, str]]:
+    """What ``from_pretrained`` loads, and the files the export must carry for it.
+
+    A registered name or a hub id: the hub id. A local ``config.json``: its folder, absolute
+    (where the weights usually are). Any other config file: ``model/config.json`` inside the
+    export, a folder ``from_pretrained`` reads (weights absent: train.py says how to point it at
+    them), named relative to the export.
+    """
+    source = spec.source or spec.name
+    path = Path(source)
+    if not (source.endswith(".json") and path.is_file()):
+        return source, {}
+    if path.name == "config.json":
+        return str(path.resolve().parent), {}
+    return MODEL_DIR, {f"{MODEL_DIR}/config.json": path.read_text(encoding="utf-8")}
 
 
 # transformers 5.23.0 renamed TrainingArguments' gradient_checkpointing(_kwargs) to

@@ -1,0 +1,104 @@
+"""What accelerate makes of the launcher's config, shared by the measured child
+(``_trial_main``) and an exported ``train.py`` (``autofit.launch``): FSDP where accelerate
+refuses it on the CPU, and the facts of the engine that really runs.
+
+accelerate and torch are imported lazily: the parent of a measured trial imports none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def fsdp_requested() -> bool:
+    """The launcher's environment asks for FSDP (``accelerate launch`` with an fsdp_config)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_on_cpu(acc) -> bool:
+    """Switch ``acc`` to FSDP where the launcher asked for it and accelerate did not select it
+    (the CPU: :func:`switch_to_fsdp`); whether it was switched."""
+    from accelerate.utils import DistributedType
+
+    if not fsdp_requested() or acc.distributed_type is DistributedType.FSDP:
+        return False
+    switch_to_fsdp(acc)
+    return True
+
+
+def fsdp_applied_by(acc, switched: bool) -> str | None:
+    """Who made the run FSDP, for the record: autofit (:func:`fsdp_on_cpu`), accelerate, or nobody."""
+    from accelerate.utils import DistributedType
+
+    if switched:
+        return "autofit (accelerate does not select FSDP on the CPU)"
+    return "accelerate" if acc.distributed_type is DistributedType.FSDP else None
+
+
+def switch_to_fsdp(acc) -> None:
+    """Select accelerate's FSDP path where its state machine refused it.
+
+    accelerate never selects FSDP without an accelerator device (``distributed_type``
+    stays ``MULTI_CPU``; shared/FIELD-NOTES.md). When the launcher's environment says FSDP
+    (``ACCELERATE_USE_FSDP``) the plugin is read from that same environment and the state
+    switched before ``prepare``, so accelerate's own FSDP2 path runs over the gloo group
+    the launcher created (docs/EVALUATORS.md).
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_*: the exported fsdp_config
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)
+    state = acc.state
+    state.fsdp_plugin = plugin
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+
+
+def describe(acc, model, optimizer) -> dict[str, Any]:
+    """What really runs: accelerate's view, the engine's class and its settings."""
+    import torch
+
+    out: dict[str, Any] = {
+        "distributed_type": str(acc.distributed_type.value),
+        "num_processes": acc.num_processes,
+        "mixed_precision": acc.mixed_precision,
+        "model_class": type(model).__name__,
+        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+    }
+    if type(model).__name__ == "DeepSpeedEngine":
+        out.update(
+            zero_stage=model.zero_optimization_stage(),
+            train_batch_size=model.train_batch_size(),
+            micro_batch=model.train_micro_batch_size_per_gpu(),
+            grad_accum=model.gradient_accumulation_steps(),
+            zero_optimizer=type(model.optimizer).__name__,
+            inner_optimizer=type(getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
+            bf16=model.bfloat16_enabled(),
+        )
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:
+            p = next(model.parameters())
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out.update(
+                fsdp_modules=len(sharded),
+                fsdp_param_type=type(p).__name__,
+                fsdp_placements=[str(x) for x in getattr(p, "placements", ())],
+                fsdp_local_numel=local.numel(),
+                fsdp_global_numel=p.numel(),
+            )
+    except ImportError:
+        pass
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        out["ddp"] = True
+    # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
+    # (isinstance: fully_shard renames the class of what it shards)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    out["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    return out
