@@ -135,7 +135,9 @@ def export_cmd(study, trial_number, out, db_url, as_json):
     ctx = rec.context()
     from autofit.store.store import study_dir
 
-    paths = export_plan(store.trial_result(chosen).plan, ctx, out or study_dir(rec))
+    result = store.trial_result(chosen)
+    # what the plan was judged by goes into plan.json, for train.py to compare with what it gets
+    paths = export_plan(result.plan, ctx, out or study_dir(rec), expected=result)
     if as_json:
         click.echo(console.dumps({"study": rec.name, "trial": chosen.number, "files": [str(p) for p in paths]}))
     else:

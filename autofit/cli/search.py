@@ -175,7 +175,7 @@ def search(cctx: click.Context, **opts):
     if standing.best is not None and opts["out"]:
         from autofit.export import export_plan
 
-        exported = export_plan(standing.best.plan, ctx, opts["out"])
+        exported = export_plan(standing.best.plan, ctx, opts["out"], expected=standing.best)
     if as_json:
         click.echo(console.dumps(console.outcome_dict(outcome, exported, standing)))
     else:

@@ -29,7 +29,7 @@ from autofit.export.common import (
     write_files,
 )
 from autofit.export.deepspeed import NVME_PATH, deepspeed_config, validate
-from autofit.export.trainer import model_reference, trainer_args
+from autofit.export.trainer import MODEL_DIR, model_reference, trainer_args
 from autofit.plan import Offload, OffloadDevice, Plan
 from autofit.results import TrialResult
 from autofit.specs import Target
@@ -127,23 +127,6 @@ def _json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-_TRAIN_PY = """\
-import json
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
-
-t = json.load(open("trainer_args.json"))
-kwargs = dict(t["model_kwargs"])
-if t["quantization"]:
-    kwargs["quantization_config"] = BitsAndBytesConfig(**t["quantization"])
-model = AutoModelForCausalLM.from_pretrained(t["model"], **kwargs)
-if t["peft"]:
-    model = get_peft_model(model, LoraConfig(**t["peft"]), **t["peft_model_kwargs"])
-args = TrainingArguments(output_dir="out", **t["training_arguments"])
-Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()
-"""
-
-
 def _allocator_note() -> str:
     """The caching-allocator setting the memory figures assumed (the simulator replays its
     allocations through PyTorch's allocator with it): the environment of this export."""
@@ -158,29 +141,107 @@ def _allocator_note() -> str:
 
 def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     m, c, w = ctx.model, ctx.cluster, ctx.workload
-    kind = distributed_type(plan, ctx)
-    rows = [
-        f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "
-        f"{c.nodes} machine(s), {kind} |"
-    ]
+    source = f" ({m.source})" if m.source and m.source != m.name else ""
+    return "\n".join(
+        [
+            f"# autofit plan {plan.plan_id}",
+            "",
+            f"`{plan.summary()}`",
+            "",
+            f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
+            f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
+            "",
+            "| file | what it sets |",
+            "|---|---|",
+            *_file_rows(plan, ctx),
+            "",
+            "## Launch",
+            "",
+            *_launch(plan, args),
+            "",
+            "## Check before launching",
+            "",
+            *_checks(plan, ctx, args, nvme_path),
+            "",
+        ]
+    )
+
+
+def _file_rows(plan: Plan, ctx: Target) -> list[str]:
+    c = ctx.cluster
+    rows = []
     if plan.engine == "deepspeed":
-        rows.insert(
-            0,
+        rows.append(
             f"| `{DS_CONFIG_NAME}` | DeepSpeed ZeRO-{plan.zero_stage}: buckets, offload, optimizer; batch "
             f"sizes, precision and the optimizer's hyperparameters are `auto`, filled by the Trainer from "
-            f"`{TRAINER_ARGS_NAME}` (change them there) |",
+            f"`{TRAINER_ARGS_NAME}` (change them there) |"
         )
-    rows.append(
+    rows += [
+        f"| `{ACCELERATE_CONFIG_NAME}` | `accelerate launch`: {c.world_size} process(es) on "
+        f"{c.nodes} machine(s), {distributed_type(plan, ctx)} |",
         f"| `{TRAINER_ARGS_NAME}` | keyword arguments for `TrainingArguments`, `from_pretrained`, "
-        "PEFT and bitsandbytes; data and loss settings |"
-    )
+        "PEFT and bitsandbytes; data and loss settings |",
+        f"| `{PLAN_NAME}` | the plan, its target, and the peak memory and tokens/s it was expected to reach |",
+        f"| `{TRAIN_SCRIPT_NAME}` | the training script: the Hugging Face Trainer on the files above |",
+    ]
+    return rows
+
+
+def _launch(plan: Plan, args: dict) -> list[str]:
+    """How to start it: the command, train.py's options, where the model comes from."""
+    model = args["model"]
+    if model == MODEL_DIR:
+        weights = (
+            f"The export carries the model's config only (`{MODEL_DIR}/config.json`): pass `--model` with "
+            "the hub id or the folder of its weights."
+        )
+    else:
+        weights = f"`from_pretrained` loads `{model}`; `--model` loads another hub id or folder."
+    extra = [_no_switch_line(args)]
+    if plan.engine == "fsdp":
+        extra.append(
+            "FSDP checkpoints are sharded (`SHARDED_STATE_DICT`); `accelerate merge-weights` joins them into one file."
+        )
+    return [
+        "On the training machine (`pip install autofit[train]`: `train.py` imports `autofit.launch`), from "
+        "this directory:",
+        "",
+        f"    {LAUNCH}",
+        "",
+        f"`{TRAIN_SCRIPT_NAME}` trains with the Hugging Face Trainer on the files beside it. `--data` is a "
+        "local .jsonl/.json/.parquet/.csv/.txt file or a datasets hub id, `--text-field` its text column "
+        "(default `text`); `--output-dir` (default `out`) and `--max-steps` (default one epoch). " + weights,
+        "At the end, `<output-dir>/autofit_result.json` holds what the plan expected beside what the run got "
+        "(peak memory per GPU, tokens/s). " + " ".join(extra),
+    ]
+
+
+def _no_switch_line(args: dict) -> str:
+    """What train.py's ``autofit.launch.PlanTrainer`` applies for this plan (the Trainer has no switch for it)."""
+    parts = [
+        label
+        for key, label in (
+            ("selective_checkpointing", "selective checkpointing"),
+            ("activation_offloading", "activation offloading"),
+            ("optimizer_in_backward", "the optimizer step in backward"),
+        )
+        if args[key]["enabled"]
+    ]
+    if args["fused_loss"]["enabled"] or args["fused_kernels"]["enabled"]:
+        parts.append("autofit's stand-ins for Liger's kernels where Liger cannot run")
+    if not parts:
+        return "The Trainer has a switch for everything this plan uses."
+    return f"`autofit.launch.PlanTrainer` applies what the Trainer has no switch for: {', '.join(parts)}."
+
+
+def _checks(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> list[str]:
     before = []
     if plan.engine == "deepspeed" and plan.offload_device is OffloadDevice.NVME and plan.offload is not Offload.NONE:
         before.append(
             f"- `nvme_path` in `{DS_CONFIG_NAME}` is `{nvme_path}`: make it a directory on a local "
             "NVMe drive of every node."
         )
-    if c.nodes > 1:
+    if ctx.cluster.nodes > 1:
         before.append("- On node i, add `--machine_rank i --main_process_ip <address of node 0>` to the command.")
     before += [f"- {n[0].upper()}{n[1:]}." for n in args["notes"]]
     before.append(_allocator_note())
@@ -195,44 +256,11 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
     if args["fused_kernels"]["enabled"]:
         fk = args["fused_kernels"]
         before.append(f"- Fused kernels: {fk['kernels']}; {fk['fallback']}.")
-    if args["selective_checkpointing"]["enabled"]:
-        sc = args["selective_checkpointing"]
-        before.append(f"- Selective checkpointing (no Trainer switch), one block in {sc['every']}: {sc['how']}.")
-    if args["activation_offloading"]["enabled"]:
-        ao = args["activation_offloading"]
-        before.append(f"- Activation offloading (no Trainer switch): `{ao['helper']}`; {ao['how']}.")
-    if args["optimizer_in_backward"]["enabled"]:
-        ob = args["optimizer_in_backward"]
-        before.append(f"- Optimizer step in backward (no Trainer switch): `{ob['helper']}`; {ob['how']}.")
-    source = f" ({m.source})" if m.source and m.source != m.name else ""
-    return "\n".join(
-        [
-            f"# autofit plan {plan.plan_id}",
-            "",
-            f"`{plan.summary()}`",
-            "",
-            f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
-            f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
-            "",
-            "| file | what it sets |",
-            "|---|---|",
-            *rows,
-            "",
-            "## Launch",
-            "",
-            "From this directory:",
-            "",
-            f"    {LAUNCH}",
-            "",
-            "`train.py` is your training script. With the Hugging Face Trainer it reads `trainer_args.json` so:",
-            "",
-            "```python",
-            _TRAIN_PY.rstrip("\n"),
-            "```",
-            "",
-            "## Check before launching",
-            "",
-            *before,
-            "",
-        ]
-    )
+    for key, name in (
+        ("selective_checkpointing", "Selective checkpointing"),
+        ("activation_offloading", "Activation offloading"),
+        ("optimizer_in_backward", "Optimizer step in backward"),
+    ):
+        if args[key]["enabled"]:
+            before.append(f"- {name} (no Trainer switch; train.py applies it): in your own script, {args[key]['how']}.")
+    return before

@@ -16,7 +16,6 @@ import datetime
 import html
 import importlib.metadata
 import shlex
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -479,15 +478,13 @@ def optuna_commands(rec, db_url: str) -> str:
 def _configs(best: TrialResult, ctx: Target) -> tuple[dict[str, str] | None, str | None]:
     """The winner's exported files as {name: text}, or a note saying why they are missing."""
     try:
-        from autofit.export import export_plan
+        from autofit.export import export_files
     except ImportError as exc:
         return None, f"configs: the exporter (autofit.export) is not available in this installation ({exc})"
-    with tempfile.TemporaryDirectory(prefix="autofit-report-") as tmp:
-        try:
-            paths = export_plan(best.plan, ctx, tmp)
-        except AutofitError as exc:
-            return None, f"configs: the winner could not be exported: {exc}"
-        return {Path(path).name: Path(path).read_text(encoding="utf-8") for path in paths}, None
+    try:
+        return export_files(best.plan, ctx, expected=best), None
+    except AutofitError as exc:
+        return None, f"configs: the winner could not be exported: {exc}"
 
 
 def write_report(store, study: str | int, out_dir: str | Path) -> ReportFiles:

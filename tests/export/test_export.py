@@ -18,7 +18,7 @@ import yaml
 
 from autofit.errors import ExportError, PlanError
 from autofit.evaluators.analytic import AnalyticEvaluator
-from autofit.export import export_files, export_plan
+from autofit.export import export_files, export_plan, train_script
 from autofit.plan import Plan
 from tests.export.plans import GOLDEN, all_sweep_plans, golden, target
 
@@ -31,6 +31,8 @@ def test_golden(name):
     ctx, plan = golden(name)
     assert AnalyticEvaluator().evaluate(plan, ctx).fits  # the goldens are plans a search could return
     files = export_files(plan, ctx)
+    # train.py is the one template of every export (templates/train.py), not a golden copy each
+    assert files.pop("train.py") == train_script()
     d = GOLDEN_DIR / name
     if UPDATE:
         d.mkdir(parents=True, exist_ok=True)
