@@ -254,6 +254,7 @@ def _rank_figures(trainer: PlanTrainer) -> dict[str, Any]:
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "checkpointed_layers": _checkpointed_layers(runtime.unwrap(trainer.model_wrapped)),
         "applied": trainer.applied,
+        "offloaded_bytes": trainer._offload.offloaded_bytes if trainer._offload is not None else 0,
         "engine": {
             **engines.describe(trainer.accelerator, trainer.model_wrapped, trainer.optimizer),
             "fsdp_applied_by": engines.fsdp_applied_by(trainer.accelerator, trainer.fsdp_switched),

@@ -74,6 +74,7 @@ def describe(acc, model, optimizer) -> dict[str, Any]:
             train_batch_size=model.train_batch_size(),
             micro_batch=model.train_micro_batch_size_per_gpu(),
             grad_accum=model.gradient_accumulation_steps(),
+            reduce_bucket_size=model.zero_reduce_bucket_size(),
             zero_optimizer=type(model.optimizer).__name__,
             inner_optimizer=type(getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
             bf16=model.bfloat16_enabled(),
