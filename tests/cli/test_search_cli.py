@@ -43,6 +43,11 @@ def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
     assert tiebreak["within_error"] == (tiebreak["fastest_plan_id"] != tiebreak["answer_plan_id"])
     assert tiebreak["fastest_tokens_per_sec"] >= data["best"]["throughput"]["tokens_per_sec"]
     assert {p.rsplit("/", 1)[-1] for p in data["exported"]} >= {"accelerate_config.yaml", "trainer_args.json"}
+    # plan.json carries what the answer was judged by, for train.py to set beside what it gets
+    record = json.loads((out / "plan.json").read_text())
+    assert record["plan_id"] == data["best"]["plan_id"] and record["expected"]["evaluator"] == "analytic"
+    assert record["expected"]["tokens_per_sec"] == data["best"]["throughput"]["tokens_per_sec"]
+    assert record["expected"]["peak_allocated_bytes"] == data["best"]["memory"]["peak_allocated"]
     study = data["study"]
 
     again = search(db_url, tmp_path / "out2")
@@ -65,6 +70,7 @@ def test_search_exports_and_history_reads_it_back(db_url, tmp_path):
     assert sorted(p.rsplit("/", 1)[-1] for p in exported["files"]) == sorted(
         p.rsplit("/", 1)[-1] for p in data["exported"]
     )
+    assert json.loads((tmp_path / "again" / "plan.json").read_text()) == record
 
 
 def test_tables_render(db_url, tmp_path):
