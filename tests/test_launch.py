@@ -130,3 +130,16 @@ def test_train_py_explains_its_options_and_needs_data(tmp_path):
         assert option in helped.stdout
     missing = subprocess.run(run, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--data" in missing.stderr
+
+
+def test_the_readme_shows_the_script_as_exported():
+    from pathlib import Path
+
+    from autofit.export import train_script
+
+    script = train_script()
+    main = script[script.index("def main(") : script.index("\n\nif __name__")]
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    launch_section = readme[readme.index("## Launch") :]
+    assert "accelerate launch --config_file accelerate_config.yaml train.py --data" in launch_section
+    assert main in launch_section, "README's Launch section shows train.py's main() as exported"
