@@ -7,6 +7,7 @@ exported file with accelerate's own loader and launch-argument processing.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from autofit.errors import ExportError
 from autofit.export.common import checked, write_files
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
-from autofit.specs import Target
+from autofit.specs import ModelSpec, Target
 
 _MIXED_PRECISION = {
     Precision.BF16_MIXED: "bf16",
@@ -83,13 +84,13 @@ def accelerate_config(plan: Plan, ctx: Target, deepspeed_config_file: str | None
 def fsdp_config(plan: Plan, ctx: Target) -> dict[str, Any]:
     """FSDP2, full sharding per decoder layer, as the memory model assumes: parameters
     resharded after forward (two layers gathered at a time), optional CPU offload of
-    parameters, gradients and optimizer states, checkpointing of each layer (the family's
-    ``decoder_layer``: a test builds every family and finds num_layers instances of it)."""
+    parameters, gradients and optimizer states, checkpointing of each wrapped layer
+    (:func:`fsdp_wrap_classes`)."""
     qlora = plan.method is Method.QLORA
     return {
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": ctx.model.family.decoder_layer,
+        "fsdp_transformer_layer_cls_to_wrap": fsdp_wrap_classes(ctx.model),
         "fsdp_reshard_after_forward": True,
         "fsdp_offload_params": plan.offload is not Offload.NONE,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -100,6 +101,37 @@ def fsdp_config(plan: Plan, ctx: Target) -> dict[str, Any]:
         # stays off (transformers refuses both at once)
         "fsdp_activation_checkpointing": plan.checkpointing is Checkpointing.FULL,
     }
+
+
+def fsdp_wrap_classes(spec: ModelSpec) -> str:
+    """The blocks FSDP wraps one by one, comma-separated: the ``_no_split_modules`` transformers
+    gives the model (what accelerate itself wraps when none are named:
+    ``FullyShardedDataParallelPlugin.set_auto_wrap_policy``), read without building it.
+
+    ``PreTrainedModel.post_init`` makes a model's ``_no_split_modules`` its class's own joined with
+    its children's, the base model's among them (modeling_utils.py); a test builds every family
+    and compares. Reading the classes imports the model's transformers module, and torch: FSDP
+    exports only. A model class that names none falls back to the family's ``decoder_layer``.
+    """
+    return ",".join(_no_split_modules(spec.model_type, spec.family.task)) or spec.family.decoder_layer
+
+
+@functools.cache
+def _no_split_modules(model_type: str, task: str) -> tuple[str, ...]:
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    heads = (
+        modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        if task == "masked-lm"
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    names: set[str] = set()
+    for mapping in (heads, modeling_auto.MODEL_MAPPING_NAMES):
+        name = mapping.get(model_type)
+        cls = getattr(transformers, name, None) if name else None
+        names.update(getattr(cls, "_no_split_modules", None) or ())
+    return tuple(sorted(names))
 
 
 def accelerate_yaml(plan: Plan, ctx: Target, deepspeed_config_file: str | None = None) -> str:

@@ -1,9 +1,8 @@
 """accelerate_config.yaml, read back by accelerate's loader, launch-argument processing and plugins.
 
-FSDP configs are checked by parsing only: on these CPU machines ``accelerate launch`` with
-``distributed_type: FSDP`` silently runs each process undistributed (FIELD-NOTES), so a CPU
-launch would prove nothing about FSDP. The DeepSpeed config is launched for real in
-test_launch.py.
+Every swept config is parsed here; test_launch.py launches a DeepSpeed and an FSDP export for
+real (on these CPU machines ``accelerate launch`` alone runs an FSDP config undistributed:
+FIELD-NOTES; the exported train.py switches to FSDP as the measured runs do).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import pytest
 
 from autofit.errors import ExportError
 from autofit.export import accelerate_config, deepspeed_config, write_accelerate_yaml
+from autofit.export.accelerate import fsdp_wrap_classes
 from autofit.plan import Checkpointing, Method, Offload, Plan, Precision
 from autofit.specs import FAMILIES, MODELS
 from tests.export.plans import TARGETS, sweep, target
@@ -66,7 +66,7 @@ def check(plan, ctx, launch, launched_env) -> None:
 
         plugin = FullyShardedDataParallelPlugin()
         assert plugin.fsdp_version == 2
-        assert plugin.transformer_cls_names_to_wrap == [ctx.model.family.decoder_layer]
+        assert plugin.transformer_cls_names_to_wrap == fsdp_wrap_classes(ctx.model).split(",")
         assert plugin.reshard_after_forward is True
         assert type(plugin.cpu_offload).__name__ == (
             "CPUOffloadPolicy" if plan.offload is not Offload.NONE else "OffloadPolicy"
@@ -144,8 +144,9 @@ def test_deepspeed_plan_needs_its_file_and_others_refuse_one():
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_fsdp_wraps_each_familys_decoder_layer(model_type):
-    """The wrap class exists in transformers, is what the model repeats num_layers times, and is
-    what transformers itself says must not be split."""
+    """The wrap classes are what transformers itself says must not be split (the built model's
+    ``_no_split_modules``, read by the export without building it), and the family's decoder layer,
+    which the model repeats num_layers times, is among them."""
     import torch
 
     from autofit.evaluators.runtime import hf_model_class
@@ -166,4 +167,5 @@ def test_fsdp_wraps_each_familys_decoder_layer(model_type):
         model = cls.from_config(spec.to_hf_config()) if cls.__name__.startswith("Auto") else cls(spec.to_hf_config())
     names = [type(m).__name__ for m in model.modules()]
     assert names.count(FAMILIES[model_type].decoder_layer) == 2
+    assert set(fsdp_wrap_classes(spec).split(",")) == set(model._no_split_modules)
     assert FAMILIES[model_type].decoder_layer in model._no_split_modules
