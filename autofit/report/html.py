@@ -1,25 +1,32 @@
 """``autofit report``: one self-contained HTML page per study, with its plots beside it.
 
 :func:`write_report` reads a study back from the store, asks :mod:`autofit.report.analysis` for
-the answer and the technique effects, draws the figures (:mod:`autofit.report.plots`), exports
-the winner's config files into a temporary directory to show them inline, and writes
+the answer and the technique effects, draws the figures (:mod:`autofit.report.plots`), shows
+the winner's exported files inline (as ``autofit export`` would write them), and writes
 ``report.html`` plus each figure as PNG and SVG into the output directory. The page
 embeds the PNGs as ``data:`` URIs and carries its CSS inline: it needs no network, no
 JavaScript and no other file to open. Formatting only; the numbers come from the store
 and from analytic evaluations.
+
+The functions here prepare plain values (formatted numbers, the rows of each table); the
+markup is the Jinja2 template ``templates/report.html.j2``, rendered with autoescape on, so
+every value, a stored name included, is escaped. No value is passed as ``Markup``: the only
+non-text data, the PNGs, are base64, which escaping leaves as it is.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
-import html
+import functools
 import importlib.metadata
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from autofit.errors import AutofitError, ReportError
 from autofit.results import COMPONENTS, TOTALS, TrialResult
@@ -57,8 +64,39 @@ class ReportFiles:
         }
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+@functools.cache
+def _template() -> jinja2.Template:
+    """The page's template; autoescape is on, so every value it interpolates is escaped."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("autofit.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    return env.get_template("report.html.j2")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A table cell whose text the template draws as ``kind`` says: plain (""), a ``status``
+    badge, ``bold``, or after a colour ``swatch`` (``color``)."""
+
+    text: Any
+    kind: str = ""
+    color: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A titled table for the template: one class per column ("num", "wrap", both or none)."""
+
+    id: str
+    caption: str
+    header: Sequence[str]
+    rows: list[list[Cell]]
+    classes: list[str]
+    winner_rows: frozenset[int]
 
 
 def _gib(nbytes: float) -> str:
@@ -71,72 +109,30 @@ def _table(
     header: Sequence[str],
     rows: Iterable[Sequence[Any]],
     numeric: Iterable[int] = (),
-    raw: Iterable[int] = (),
     wrap: Iterable[int] = (),
     winner_rows: Iterable[int] = (),
-) -> str:
-    """A titled HTML table; cells are escaped except the columns in ``raw`` (already HTML).
-    Only the ``wrap`` columns (plans, reasons) may wrap; numbers are right-aligned."""
-    numeric, raw, wrap, winner_rows = set(numeric), set(raw), set(wrap), set(winner_rows)
-
-    def cls(i: int) -> str:
-        names = (["num"] if i in numeric else []) + (["wrap"] if i in wrap else [])
-        return f' class="{" ".join(names)}"' if names else ""
-
-    out = [
-        f'<h3 id="{table_id}-title">{_e(caption)}</h3><table id="{table_id}" '
-        f'aria-labelledby="{table_id}-title"><thead><tr>'
+) -> Table:
+    """A titled table. Only the ``wrap`` columns (plans, reasons) may wrap; numbers are right-aligned."""
+    numeric, wrap = set(numeric), set(wrap)
+    classes = [
+        " ".join((["num"] if i in numeric else []) + (["wrap"] if i in wrap else [])) for i in range(len(header))
     ]
-    out += [f"<th{cls(i)}>{_e(h)}</th>" for i, h in enumerate(header)]
-    out.append("</tr></thead><tbody>")
-    for n, row in enumerate(rows):
-        cells = []
-        for i, cell in enumerate(row):
-            text = str(cell) if i in raw else _e(cell)
-            cells.append(f"<td{cls(i)}>{text}</td>")
-        out.append(('<tr class="winner">' if n in winner_rows else "<tr>") + "".join(cells) + "</tr>")
-    out.append("</tbody></table>")
-    return "".join(out)
+    cells = [[c if isinstance(c, Cell) else Cell(c) for c in row] for row in rows]
+    return Table(table_id, caption, header, cells, classes, frozenset(winner_rows))
 
 
-def _status(status: str) -> str:
-    return f'<span class="status {_e(status)}">{_e(status)}</span>'
-
-
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:2rem auto;max-width:1200px;
-padding:0 1rem;color:#1b1b1b}
-h1{font-size:1.6rem;margin-bottom:.2rem}h2{margin-top:2.2rem;border-bottom:1px solid #ddd;padding-bottom:.2rem}
-.sub{color:#555}.answer{font-size:1.1rem;padding:.8rem 1rem;border-left:4px solid #009E73;background:#f3faf7}
-.answer.none{border-color:#B00020;background:#fdf3f4}.plan{font-family:ui-monospace,Menlo,Consolas,monospace}
-.tiebreak{color:#555;margin:-.6rem 0 1rem;padding:0 1rem 0 1.25rem}
-h3{font-size:1rem;margin:1.4rem 0 .3rem}table{border-collapse:collapse;margin:0 0 1rem;font-size:13px}
-th,td{border-bottom:1px solid #e4e4e4;padding:.25rem .6rem;text-align:left;vertical-align:top;white-space:nowrap}
-th{background:#f6f6f6}td.wrap{white-space:normal;min-width:16rem}td.num,th.num{text-align:right;
-font-variant-numeric:tabular-nums}
-tr.winner td{font-weight:600;background:#fffbe6}.swatch{display:inline-block;width:.9em;height:.9em;
-margin-right:.4em;vertical-align:-.1em;border:1px solid #0003}.status{font-weight:600}
-.status.fits{color:#007a5a}.status.oom{color:#B00020}.status.screened{color:#8a6d00}.status.pruned{color:#8a6d00}.status.failed,
-.status.timeout{color:#8a3b77}figure{margin:1rem 0 2rem}figure img{max-width:100%;height:auto;
-border:1px solid #eee}figcaption{color:#555;font-size:.9rem}.note{padding:.5rem .8rem;background:#fff8e1;
-border-left:4px solid #E69F00}pre{background:#f6f8fa;padding:.8rem;overflow-x:auto;font-size:12px}
-details{margin:.4rem 0}summary{cursor:pointer;font-weight:600}code{font-family:ui-monospace,Menlo,monospace}
-"""
-
-
-def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[str]]:
+def _anatomy_rows(results: Sequence[TrialResult], ctx: Target) -> list[list[Any]]:
     from autofit.report.plots import COMPONENT_COLORS
 
-    rows = []
+    rows: list[list[Any]] = []
     for comp in COMPONENTS:
-        swatch = f'<span class="swatch" style="background:{COMPONENT_COLORS[comp]}"></span>{_e(comp)}'
-        row = [swatch]
+        row: list[Any] = [Cell(comp, "swatch", COMPONENT_COLORS[comp])]
         for r in results:
             value = getattr(r.memory, comp)
             row += [_gib(value), f"{value / r.memory.device_total:.1%}" if r.memory.device_total else ""]
         rows.append(row)
     for total in TOTALS:
-        row = [f"<b>{total}</b>" if total == "device_total" else total]
+        row = [Cell(total, "bold" if total == "device_total" else "")]
         for r in results:
             row += [_gib(getattr(r.memory, total)), ""]
         rows.append(row)
@@ -159,102 +155,86 @@ def render_html(
     db_url: str,
 ) -> str:
     """The page. ``plots`` are PlotFiles (their PNGs are embedded); ``configs`` name -> text."""
-    sections = (
-        _header(rec, ctx, trials, standing),
-        _answer(rec, ctx, trials, standing),
-        _figures(plots, notes),
-        _tables(rec, ctx, trials, standing, effects),
-        _config_files(rec, configs, notes),
-        _looking_further(rec, db_url),
+    return _template().render(
+        title=f"autofit report: {rec.name}",
+        study=_study_line(rec, ctx, trials, standing),
+        answer=_answer(rec, ctx, trials, standing),
+        figures=[_figure(plot) for plot in plots],
+        plot_notes=[note for note in notes if note.startswith("plots")],
+        tables=_tables(rec, ctx, standing, effects),
+        skipped=effects.skipped if effects is not None and effects.toggles else (),
+        trials=_trials_table(trials, standing.best),
+        configs=configs or {},
+        export_command=f"autofit export {shlex.quote(rec.name)}",
+        config_notes=[note for note in notes if note.startswith("configs")],
+        optuna_study=rec.optuna_study_name or "-",
+        db_url=db_url,
+        commands=optuna_commands(rec, db_url),
+        version=importlib.metadata.version("autofit"),
+        written=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
+        study_id=rec.id,
     )
-    return "\n".join(part for section in sections for part in section)
 
 
-# -- the sections of the page, top to bottom; each returns its parts (the page joins them with newlines)
-def _header(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
-    """The document head (title, inline CSS), the title and the study line."""
-    title = f"autofit report: {rec.name}"
+# -- what the sections of the page show, top to bottom (the markup is the template's)
+def _study_line(rec, ctx: Target, trials: Sequence[Any], standing) -> str:
+    """The line under the title: model, cluster, workload, evaluator, state of the study."""
     counts = ", ".join(f"{n} {s}" for s, n in sorted(standing.counts().items()))
-    return [
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-        f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_CSS}</style></head><body>',
-        f"<h1>{_e(title)}</h1>",
-        f'<p class="sub" id="study">{_e(ctx.model.name)} ({ctx.model.n_params / 1e9:.2f}B parameters) on '
-        f"{_e(ctx.cluster.label)} ({_gib(ctx.capacity_bytes)} GiB per GPU, {ctx.headroom:.0%} headroom) · "
-        f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {_e(rec.evaluator)} · "
-        f"study {_e(rec.status)} · {len(trials)} evaluations ({_e(counts)}) · created "
-        f"{rec.created_at:%Y-%m-%d %H:%M} UTC</p>",
-    ]
+    return (
+        f"{ctx.model.name} ({ctx.model.n_params / 1e9:.2f}B parameters) on "
+        f"{ctx.cluster.label} ({_gib(ctx.capacity_bytes)} GiB per GPU, {ctx.headroom:.0%} headroom) · "
+        f"seq {ctx.workload.seq_len} · global batch {ctx.workload.global_batch} · {rec.evaluator} · "
+        f"study {rec.status} · {len(trials)} evaluations ({counts}) · created "
+        f"{rec.created_at:%Y-%m-%d %H:%M} UTC"
+    )
 
 
-def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> list[str]:
+def _answer(rec, ctx: Target, trials: Sequence[Any], standing) -> dict[str, Any]:
     """The answer: the winner, or why there is none (no evaluations yet, or nothing fits)."""
     from autofit.report.console import margin_text, tiebreak_lines, why
 
     best = standing.best
     if best is not None:
         t, m = best.throughput, best.memory
-        lines = tiebreak_lines(standing.tiebreak) if standing.tiebreak is not None else []
-        tiebreak = [f'<p class="tiebreak" id="tiebreak">{"<br>".join(_e(x) for x in lines)}</p>'] if lines else []
-        return [
-            f'<p class="answer" id="answer">Winner: <b class="plan" id="winner-plan">'
-            f"{_e(best.plan.summary())}</b><br>{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · "
-            f"MFU {t.mfu:.0%} · {_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU "
-            f"(budget {_gib(ctx.budget_bytes)}){_e(margin_text(best))} · {_e(m.bottleneck)} · "
-            f"evaluated by {_e(best.evaluator)} · "
-            f"plan {_e(best.plan.plan_id)}</p>",
-            *tiebreak,
-        ]
+        return {
+            "winner": best.plan.summary(),
+            "figures": f"{t.tokens_per_sec:,.0f} tokens/s · {t.step_time_s:.2f} s/step · MFU {t.mfu:.0%} · "
+            f"{_gib(m.device_total)} of {_gib(ctx.capacity_bytes)} GiB per GPU (budget {_gib(ctx.budget_bytes)})"
+            f"{margin_text(best)} · {m.bottleneck} · evaluated by {best.evaluator} · plan {best.plan.plan_id}",
+            "tiebreak": tiebreak_lines(standing.tiebreak) if standing.tiebreak is not None else [],
+        }
     if not trials:
-        return [
-            f'<p class="answer none" id="answer">This study has no evaluations yet ({_e(rec.status)}); '
-            f"continue it with <code>autofit search … --resume</code>.</p>"
-        ]
+        return {"winner": None, "empty": True, "status": rec.status}
     closest = standing.closest[0] if standing.closest else None
-    extra = ""
-    if closest is not None:
-        extra = (
-            f"<br>Closest: <span class=plan>{_e(closest.plan.summary())}</span> needs "
-            f"{_gib(closest.memory.device_total)} GiB per GPU ({_e(why(closest))})"
-        )
+    return {
+        "winner": None,
+        "empty": False,
+        "model": ctx.model.name,
+        "cluster": ctx.cluster.label,
+        "seq_len": ctx.workload.seq_len,
+        "closest": closest.plan.summary() if closest is not None else None,
+        "closest_gib": _gib(closest.memory.device_total) if closest is not None else None,
+        "closest_why": why(closest) if closest is not None else None,
+    }
+
+
+def _figure(plot) -> dict[str, str]:
+    """A figure (a PlotFile): its PNG as base64 for a ``data:`` URI, and the files beside the page."""
+    data = base64.b64encode(Path(plot.png).read_bytes()).decode("ascii")
+    return {"name": plot.name, "title": plot.title, "data": data, "png": plot.png.name, "svg": plot.svg.name}
+
+
+def _tables(rec, ctx: Target, standing, effects) -> list[Table]:
+    """The tables above the trials: anatomy, the standing of the methods, the losses, technique effects."""
     return [
-        f'<p class="answer none" id="answer">No plan fits {_e(ctx.model.name)} on {_e(ctx.cluster.label)} '
-        f"at seq {ctx.workload.seq_len}.{extra}</p>"
-    ]
-
-
-def _missing(notes: Sequence[str], section: str) -> list[str]:
-    """The notes of ``write_report`` that say why ``section`` ("plots", "configs") is missing."""
-    return [f'<p class="note" id="{section}-missing">{_e(note)}</p>' for note in notes if note.startswith(section)]
-
-
-def _figures(plots: Sequence[Any], notes: Sequence[str]) -> list[str]:
-    """Every figure, its PNG embedded as a ``data:`` URI, with links to the files beside the page."""
-    parts = ['<h2 id="plots">Plots</h2>']
-    for plot in plots:
-        data = base64.b64encode(Path(plot.png).read_bytes()).decode("ascii")
-        parts.append(
-            f'<figure id="figure-{_e(plot.name)}"><img id="plot-{_e(plot.name)}" alt="{_e(plot.title)}" '
-            f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} · files beside this page: '
-            f'<a href="{_e(plot.png.name)}">{_e(plot.png.name)}</a>, '
-            f'<a href="{_e(plot.svg.name)}">{_e(plot.svg.name)}</a></figcaption></figure>'
-        )
-    return parts + _missing(notes, "plots")
-
-
-def _tables(rec, ctx: Target, trials: Sequence[Any], standing, effects) -> list[str]:
-    """The tables: anatomy, the standing of the methods, the losses, technique effects, every trial."""
-    return [
-        '<h2 id="tables">Tables</h2>',
         *_anatomy_table(ctx, standing),
         *_method_tables(rec, standing),
         *_losses_table(standing),
         *_effects_table(effects, standing.best),
-        _trials_table(trials, standing.best),
     ]
 
 
-def _anatomy_table(ctx: Target, standing) -> list[str]:
+def _anatomy_table(ctx: Target, standing) -> list[Table]:
     """The memory anatomy of the winner (or the closest plan), one column pair per evaluation."""
     groups = standing.anatomy_subjects(1)
     if not groups:
@@ -271,12 +251,11 @@ def _anatomy_table(ctx: Target, standing) -> list[str]:
             header,
             _anatomy_rows(g.results, ctx),
             numeric=range(1, len(header)),
-            raw=[0],
         )
     ]
 
 
-def _method_tables(rec, standing) -> list[str]:
+def _method_tables(rec, standing) -> list[Table]:
     """The best plan per method and the runners-up; only where a plan fits."""
     if standing.best is None:
         return []
@@ -293,7 +272,7 @@ def _method_tables(rec, standing) -> list[str]:
         for method, r in standing.best_per_method.items()
     ]
     rows += [[m, "nothing of this method fits", "", "", "", ""] for m in allowed if m not in standing.best_per_method]
-    parts = [
+    tables = [
         _table(
             "best-per-method",
             "Best plan per method",
@@ -315,7 +294,7 @@ def _method_tables(rec, standing) -> list[str]:
         for i, r in enumerate(standing.runners_up(), start=2)
     ]
     if rows:
-        parts.append(
+        tables.append(
             _table(
                 "runners-up",
                 "Runners-up",
@@ -325,16 +304,16 @@ def _method_tables(rec, standing) -> list[str]:
                 wrap=[1],
             )
         )
-    return parts
+    return tables
 
 
-def _losses_table(standing) -> list[str]:
+def _losses_table(standing) -> list[Table]:
     """Why the other plans lost, one row per status."""
     from autofit.report.console import loss_text
 
     if not standing.losses:
         return []
-    rows = [[_status(loss.status), loss.count, *map(_e, loss_text(loss, standing))] for loss in standing.losses]
+    rows = [[Cell(loss.status, "status"), loss.count, *loss_text(loss, standing)] for loss in standing.losses]
     return [
         _table(
             "losses",
@@ -342,14 +321,13 @@ def _losses_table(standing) -> list[str]:
             ["status", "plans", "most common reason", "closest to winning"],
             rows,
             numeric=[1],
-            raw=[0, 2, 3],
             wrap=[2, 3],
         )
     ]
 
 
-def _effects_table(effects, answer: TrialResult | None = None) -> list[str]:
-    """One technique toggled at a time (analytic), and the toggles that are not valid plans."""
+def _effects_table(effects, answer: TrialResult | None = None) -> list[Table]:
+    """One technique toggled at a time (analytic); the template lists the toggles that are not valid plans."""
     if effects is None or not effects.toggles:
         return []
     b = effects.baseline
@@ -370,7 +348,7 @@ def _effects_table(effects, answer: TrialResult | None = None) -> list[str]:
         ]
         for t in effects.toggles
     ]
-    parts = [
+    return [
         _table(
             "technique-effects",
             f"One technique at a time from {b.plan.summary()} ({effects.evaluator}{other}: "
@@ -381,16 +359,9 @@ def _effects_table(effects, answer: TrialResult | None = None) -> list[str]:
             wrap=[0],
         )
     ]
-    if effects.skipped:
-        items = "".join(f"<li>{_e(label)}: {_e('; '.join(problems))}</li>" for label, problems in effects.skipped)
-        parts.append(
-            f'<details id="skipped-toggles"><summary>Changes that are not valid plans '
-            f"({len(effects.skipped)})</summary><ul>{items}</ul></details>"
-        )
-    return parts
 
 
-def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> str:
+def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> Table:
     """Every evaluation of the study; the winner's row is starred and highlighted."""
     from autofit.report.console import why
 
@@ -404,7 +375,7 @@ def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> str:
         rows.append(
             [
                 f"★ {t.number}" if winner else t.number,
-                _status(r.status.value),
+                Cell(r.status.value, "status"),
                 r.evaluator,
                 r.plan.summary(),
                 _gib(m.device_total) if m else "",
@@ -432,38 +403,9 @@ def _trials_table(trials: Sequence[Any], best: TrialResult | None) -> str:
         ],
         rows,
         numeric=[0, 4, 5, 6, 7],
-        raw=[1],
         wrap=[3, 9],
         winner_rows=winners,
     )
-
-
-def _config_files(rec, configs: dict[str, str] | None, notes: Sequence[str]) -> list[str]:
-    """The winner's exported config files inline, or why they are missing."""
-    parts = ['<h2 id="configs">Config files of the winner</h2>']
-    if configs:
-        parts.append(
-            f"<p>Written by <code>autofit export {_e(shlex.quote(rec.name))}</code>; launch them unchanged.</p>"
-        )
-        parts += [
-            f'<details open class="config"><summary>{_e(name)}</summary><pre><code>{_e(text)}</code></pre></details>'
-            for name, text in configs.items()
-        ]
-    return parts + _missing(notes, "configs")
-
-
-def _looking_further(rec, db_url: str) -> list[str]:
-    """Where to look next (the Optuna study, commands), and the closing line with version and date."""
-    version = importlib.metadata.version("autofit")
-    written = datetime.datetime.now(datetime.timezone.utc)
-    return [
-        '<h2 id="optuna">Looking further</h2>',
-        f"<p>The Optuna study of this search is <code>{_e(rec.optuna_study_name or '-')}</code> in "
-        f"<code>{_e(db_url)}</code>:</p><pre><code>{_e(optuna_commands(rec, db_url))}</code></pre>",
-        f'<p class="sub">autofit {_e(version)} · written {written:%Y-%m-%d %H:%M} UTC · every figure comes from '
-        f"the store (study id {rec.id}) or, for the technique effects, from the analytic evaluator.</p>"
-        "</body></html>",
-    ]
 
 
 def optuna_commands(rec, db_url: str) -> str:

@@ -209,7 +209,8 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
     assert files.html == files.out_dir / "report.html" and not files.notes
     assert f'id="winner-plan">{st.best.plan.summary()}</b>' in page
     tiebreak = re.search(r'<p class="tiebreak" id="tiebreak">(.*?)</p>', page).group(1)
-    assert tiebreak.split("<br>") == [html.escape(line) for line in report.tiebreak_lines(st.tiebreak)]
+    assert [html.unescape(x) for x in tiebreak.split("<br>")] == report.tiebreak_lines(st.tiebreak)
+    assert not re.search("[<>\"']", tiebreak.replace("<br>", ""))  # each line escaped
     for table in ("anatomy", "best-per-method", "runners-up", "losses", "technique-effects", "trials"):
         assert f'<table id="{table}"' in page
     assert page.count('<tr class="winner">') == 1
@@ -227,19 +228,16 @@ def test_the_report_is_self_contained_html_with_plots_tables_and_configs(tight_s
     assert "<script" not in page
     assert not re.findall(r'(?:src|href)="(?!data:|[\w.-]+\.(?:png|svg)")', page)
     # the configs, exactly as the exporter writes them
-    exported = export_plan(st.best.plan, ctx, tmp_path / "exported")
+    exported = export_plan(st.best.plan, ctx, tmp_path / "exported", expected=st.best)  # as `autofit export` does
     assert list(files.configs) == [p.name for p in exported]
+    shown = dict(
+        re.findall(r'<details open class="config"><summary>([^<]*)</summary><pre><code>(.*?)</code>', page, re.S)
+    )
+    assert list(shown) == [p.name for p in exported]
     for path in exported:
-        assert (
-            path.read_text()
-            .replace("&", "&amp;")
-            .replace("<", "&lt;")
-            .replace(">", "&gt;")
-            .replace('"', "&quot;")
-            .replace("'", "&#x27;")
-            in page
-        )
-    assert f"optuna-dashboard '{masked_url}'" in page.replace("&#x27;", "'")
+        assert not re.search("[<>\"']", shown[path.name])  # escaped: no file can open a tag or end an attribute
+        assert html.unescape(shown[path.name]) == path.read_text()
+    assert f"optuna-dashboard '{masked_url}'" in html.unescape(page)
     data = files.as_dict()
     assert data["best"]["plan_id"] == st.best.plan.plan_id and len(data["plots"]) == 3
 
@@ -260,6 +258,32 @@ def test_without_the_exporter_the_report_says_so(fitting_study, monkeypatch):
     page = htmlreport.render_html(rec, ctx, trials, st, None, [], configs, [note], url)
     assert 'id="configs-missing"' in page and "autofit.export" in page
     assert '<table id="trials"' in page and st.best.plan.summary() in page  # the rest is there
+
+
+def test_stored_names_are_escaped_in_the_report(fitting_study, tmp_path):
+    """A name from the store is text, never markup: a study, model or Optuna study named like
+    a tag shows as that text and opens no element."""
+    from sqlalchemy import update
+
+    from autofit.report.html import write_report
+    from autofit.store.models import StudyModel
+
+    study = fitting_study.copy(tmp_path / "named.db")
+    name, model, optuna_name = '<script>alert("study")</script>', "<img src=x onerror='alert(1)'>", 'a&b"><b>x'
+    with study.store() as store:
+        rec = store.get_study(study.name)
+        with store.session_scope() as s:
+            values = {"name": name, "model_spec": {**rec.model_spec, "name": model}, "optuna_study_name": optuna_name}
+            s.execute(update(StudyModel).where(StudyModel.id == rec.id).values(**values))
+        files = write_report(store, name, tmp_path / "out")
+    page = files.html.read_text(encoding="utf-8")
+    assert "<script" not in page and "<img src=x" not in page and "<b>x" not in page
+    assert html.unescape(re.search("<title>(.*?)</title>", page).group(1)) == f"autofit report: {name}"
+    assert html.unescape(re.search("<h1>(.*?)</h1>", page).group(1)) == f"autofit report: {name}"
+    assert html.unescape(re.search('<p class="sub" id="study">(.*?)</p>', page).group(1)).startswith(f"{model} (")
+    shown = re.search("The Optuna study of this search is <code>(.*?)</code>", page).group(1)
+    assert html.unescape(shown) == optuna_name and not re.search('[<>"]', shown)
+    assert html.unescape(page).count(name) >= 4  # title, heading, export and show commands
 
 
 def test_a_study_where_nothing_fits_reports_the_closest_plan(hopeless_study, tmp_path):
