@@ -249,22 +249,22 @@ def _merge_study_file(cctx: click.Context, opts: dict) -> dict:
         return opts
     from autofit.search.studies import load_study_file
 
-    data = load_study_file(path)
-    rename = {"lengths": "lengths_path", "db": "db_url", "backend": "evaluator"}
     params = {p.name: p for p in cctx.command.params}
-    for key, value in data.items():
-        name = rename.get(key, key)
-        if name not in opts:
-            continue
+    for key, value in load_study_file(path).items():
+        name = _STUDY_KEY_OPTIONS.get(key, key)
         if cctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             continue
         param = params[name]
-        if not isinstance(param.type, (click.types.StringParamType, click.Path)):  # paths: relative to the file
+        if key == "lengths" and value:  # a path in the file is relative to the file
+            value = os.path.join(os.path.dirname(os.path.abspath(path)), value)
+        elif not isinstance(param.type, (click.types.StringParamType, click.Path)):
             try:  # the option's own type: the same ranges and choices as on the command line
                 value = param.type.convert(value, param, cctx)
             except click.BadParameter as exc:
                 raise SpecError(f"study file {path!r}: {key!r}: {exc.message}") from None
         opts[name] = value
-    if data.get("lengths") and not os.path.isabs(data["lengths"]) and opts["lengths_path"] == data["lengths"]:
-        opts["lengths_path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data["lengths"])
     return opts
+
+
+# a study file's keys are the options' names, but for these
+_STUDY_KEY_OPTIONS = {"lengths": "lengths_path", "db": "db_url", "backend": "evaluator"}

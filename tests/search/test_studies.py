@@ -59,6 +59,18 @@ def test_bad_study_files(tmp_path, text, fragment):
         (b"timeout: .inf\n", "'timeout'"),
         (b"timeout: soon\n", "'timeout': cannot read duration 'soon'"),
         (b"name: " + b"x" * 500 + b"\nbogus" + b"y" * 500 + b": 1\n", "unknown key 'bogusyyy"),
+        (b"model: gpt2\nmodle: x\n", r"unknown key 'modle' \(did you mean 'model'\?\)$"),
+        (b"flavour: x\n", r"unknown key 'flavour' \(known keys: model, gpus, .*, db\)$"),
+        (b"1: x\n", "unknown key '1'"),
+        (b"model:\ngpus: 1xA10\n", "'model' has no value: give one, or leave the key out"),
+        (b"evaluator: analytic\nbackend: simulated\n", "'backend' is the earlier name of 'evaluator': give one"),
+        (b"host_mem: lots\n", "'host_mem': cannot read size 'lots'"),
+        (b"host_mem: 1.5\n", "'host_mem' must be str or int, got 1.5"),
+        (b"methods: 3\n", "'methods' must be str or list, got 3"),
+        (b"precisions: [bf16, no]\n", "'precisions' must be str or a list of str, got False in the list .*quote it"),
+        (b"trials: 4.0\n", "'trials' must be int, got 4.0"),
+        (b"headroom: true\n", "'headroom' must be a number, got True"),
+        (b"name: 2024-01-01\n", "'name' must be str, got datetime.date"),
     ],
 )
 def test_files_that_are_not_a_study(tmp_path, raw, fragment):
@@ -121,3 +133,57 @@ def test_the_command_line_still_overrides_an_out_of_range_file_value(tmp_path):
         cli, ["search", "--config", str(p), "--trials", "2", "--db", str(tmp_path / "s.db"), "--out", "", "--json"]
     )
     assert r.exit_code == 0, r.output
+
+
+def test_every_problem_of_a_study_file_is_named_on_one_line_in_the_file_s_order(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("trials: '12'\nmodle: gpt2\nheadroom: .nan\n")
+    with pytest.raises(SpecError) as err:
+        load_study_file(str(p))
+    assert str(err.value) == (
+        f"study file {str(p)!r}: 'trials' must be int, got '12'; also unknown key 'modle' (did you mean 'model'?); "
+        "also 'headroom' must be a finite number, got nan"
+    )
+    p.write_text("a: 1\nb: 2\nc: 3\nd: 4\nmodel: 5\n")
+    with pytest.raises(SpecError, match=r"unknown key 'c'; and 2 more problems \(known keys: model, ") as err:
+        load_study_file(str(p))
+    assert "\n" not in str(err.value)
+
+
+def test_a_study_file_gives_lists_in_the_comma_form_and_keeps_other_values_as_written(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("methods: [full, lora]\nlora_ranks: [16, '64']\ntimeout: 1h30m\nhost_mem: 256GiB\nheadroom: 0.1\n")
+    assert load_study_file(str(p)) == {
+        "host_mem": "256GiB",
+        "headroom": 0.1,
+        "methods": "full,lora",
+        "lora_ranks": "16,64",
+        "timeout": "1h30m",
+    }
+
+
+def test_every_study_file_key_is_an_option_of_search():
+    from autofit.cli.search import _STUDY_KEY_OPTIONS, search
+    from autofit.search.studies import StudyFile
+
+    options = {p.name for p in search.params}
+    assert {_STUDY_KEY_OPTIONS.get(k, k) for k in StudyFile.model_fields} <= options
+    assert set(_STUDY_KEY_OPTIONS) <= set(StudyFile.model_fields)
+
+
+def test_a_lengths_path_in_a_study_file_is_relative_to_the_file(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from autofit.cli import cli
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "h.json").write_text(json.dumps({"300": 5, "1500": 1}))
+    p = tmp_path / "sub" / "s.yaml"
+    p.write_text("model: gpt2\ngpus: 1xA10\nseq_len: 1024\nglobal_batch: 8\nbackend: analytic\nlengths: h.json\n")
+    args = ["search", "--config", str(p), "--db", str(tmp_path / "s.db"), "--out", "", "--json", "--trials", "2"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, [*args, "--lengths", "h.json"])  # the command line's: relative to the working dir
+    assert r.exit_code != 0 and "h.json" in r.output and "Traceback" not in r.output, r.output

@@ -50,7 +50,11 @@ def test_wheel_carries_the_migrations_and_upgrades_from_an_install(tmp_path):
     for path in MIGRATION_FILES:
         assert path in names, path
     # what an export's train.py needs on the training machine: its template and autofit.launch
-    assert {"autofit/export/templates/train.py", "autofit/launch.py", "autofit/report/templates/report.html.j2"} <= names
+    assert {
+        "autofit/export/templates/train.py",
+        "autofit/launch.py",
+        "autofit/report/templates/report.html.j2",
+    } <= names
     versions = {os.path.basename(n) for n in names if n.startswith("autofit/migrations/versions/")}
     from autofit.store import Store
 
