@@ -52,8 +52,9 @@ def injected_fault(plan_id: str, step: int) -> None:
 
 # -- memory probes --------------------------------------------------------------------------------
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import psutil  # lazily: this module imports only the standard library at its top
+
+    return psutil.Process().memory_info().rss  # Linux: /proc/self/statm's resident pages × the page size
 
 
 def rss_peak_bytes() -> int:

@@ -5,8 +5,8 @@ under ``accelerate launch`` with the exported config files) in a session of its 
 tails its progress (pruning, timeout: the whole process tree is killed) and classifies
 the outcome from its result files and exit status, never from its logs. Imports torch
 only to list local GPUs, and from autofit what lies below the evaluators plus the
-exporter; Linux only (process trees are read from ``/proc``). The protocol and the
-design: docs/EVALUATORS.md.
+exporter, and psutil to walk process trees; Linux only (a trial dies with its parent through
+``PR_SET_PDEATHSIG``). The protocol and the design: docs/EVALUATORS.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from autofit.errors import AutofitError
 from autofit.evaluators._trial_main import EXIT_OOM  # the child's protocol (stdlib-only module)
@@ -215,42 +217,28 @@ def child_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 
 # -- the process tree ----------------------------------------------------------------------------
-def _ppid_and_pgid(pid: int) -> tuple[int, int] | None:
+def _tree(proc: subprocess.Popen) -> set[psutil.Process]:
+    """The child and every live process below it, whatever session or group each moved to.
+
+    Empty once the child is reaped (its pid may then be another process's). psutil's
+    ``children(recursive=True)`` reads every process's parent and skips a pid reused since.
+    """
+    if proc.poll() is not None:
+        return set()
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), int(fields[2])
+        root = psutil.Process(proc.pid)
+        return {root, *root.children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
 
 
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (whatever session or group it moved to)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _ppid_and_pgid(int(entry))
-            if info:
-                children.setdefault(info[0], []).append(int(entry))
-    out: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in out:
-                out.add(child)
-                stack.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
+def alive(process: int | psutil.Process) -> bool:
     """Running (zombies, which hold nothing but a table entry, do not count)."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
+        p = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE  # is_running: False for a reused pid
+    except psutil.NoSuchProcess:
         return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def die_with_parent() -> None:
@@ -279,16 +267,16 @@ def kill_tree(proc: subprocess.Popen) -> set[int]:
     torchrun starts every worker in a session of its own, so the launcher's group alone
     would leave them behind. The tree is read before each signal and while waiting: once a launcher dies its
     workers are re-parented and no longer findable from it. A process that ignores
-    SIGTERM gets SIGKILL after ``KILL_GRACE_S``.
+    SIGTERM gets SIGKILL after ``KILL_GRACE_S``. (Not ``psutil.wait_procs``: it would reap
+    the child out from under ``proc``, losing its exit status, and the tree must be re-read while waiting.)
     """
-    seen: set[int] = set()
+    seen: set[psutil.Process] = set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        seen |= descendants(proc.pid) | {proc.pid}
-        _signal(seen, sig)
+        seen |= _tree(proc)
+        _signal(seen, proc.pid, sig)
         deadline = time.monotonic() + KILL_GRACE_S
         while time.monotonic() < deadline and any(alive(p) for p in seen):
-            if proc.poll() is None:
-                seen |= descendants(proc.pid)
+            seen |= _tree(proc)
             time.sleep(0.05)
         if not any(alive(p) for p in seen):
             break
@@ -296,19 +284,23 @@ def kill_tree(proc: subprocess.Popen) -> set[int]:
         proc.wait(timeout=KILL_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    return seen
+    return {p.pid for p in seen} | {proc.pid}
 
 
-def _signal(pids: set[int], sig: signal.Signals) -> None:
-    groups = {info[1] for p in pids if (info := _ppid_and_pgid(p))}
+def _signal(procs: set[psutil.Process], group: int, sig: signal.Signals) -> None:
+    """``sig`` to each process still running, to its group unless ours, and to ``group`` (the
+    child's own, which outlives it while any member lives: a worker re-parented before the tree was read)."""
+    groups = {group}
+    for p in procs:
+        try:
+            if p.is_running():  # psutil: not gone, not a pid reused since it was seen
+                groups.add(os.getpgid(p.pid))
+                p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            pass
     for g in groups - {os.getpgrp(), 0, 1}:
         try:
             os.killpg(g, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for p in pids:
-        try:
-            os.kill(p, sig)
         except (ProcessLookupError, PermissionError):
             pass
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
+import psutil
+
 from autofit.errors import AutofitError
 
 
@@ -53,15 +55,9 @@ def auto_parallel(request) -> int:
 
 
 def _available_memory() -> int:
-    """MemAvailable of /proc/meminfo (free pages where it is missing)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Memory available to new processes: psutil reads MemAvailable of /proc/meminfo on Linux
+    (and estimates it from free, cached and reclaimable pages on kernels without it)."""
+    return psutil.virtual_memory().available
 
 
 def _local_cuda_devices(request) -> int:

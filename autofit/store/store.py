@@ -24,8 +24,9 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import tenacity
 from sqlalchemy import and_, case, create_engine, event, exists, func, or_, select
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
@@ -185,20 +186,52 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-class Backoff:
-    """The wait between tries while the database is away: 0.5 s, doubling up to 8 s, until
-    :data:`RETRY_TOTAL_S` seconds of waiting are spent. The one backoff of autofit: store calls
-    (:func:`retrying`) and the search's work loop (``autofit.search.loop``) both wait with it."""
+# The one backoff of autofit: 0.5 s, doubling up to 8 s, until RETRY_TOTAL_S seconds of waiting are
+# spent. Store calls wait with it through tenacity (:func:`retrying`); the search's work loop, which
+# meets its failures one at a time instead of wrapping one call, through :class:`Backoff`.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 8.0
 
-    FIRST_S = 0.5
-    MAX_S = 8.0
+
+def backoff_spent(state: tenacity.RetryCallState) -> bool:
+    """Give up once :data:`RETRY_TOTAL_S` seconds of waiting are spent: tenacity's ``idle_for``
+    counts the waits alone (its ``stop_after_delay`` would count the failed tries too)."""
+    return state.idle_for >= RETRY_TOTAL_S
+
+
+def _unreachable(state: tenacity.RetryCallState) -> NoReturn:
+    """The one clear error of a store call whose retries are spent (``args[0]``: the store)."""
+    exc = state.outcome.exception()
+    raise StoreError(
+        f"the database ({state.args[0].masked_url}) is unreachable after {state.idle_for:.0f} s of retries: "
+        f"{str(exc).splitlines()[0][:200]}; what was stored is kept — resume with --resume"
+    ) from exc
+
+
+# tenacity re-raises at once what its retry test refuses (a query the database rejects);
+# wait_exponential waits multiplier * 2 ** (attempt - 1), at most max
+_RETRYING = tenacity.Retrying(
+    retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, (StoreError, SQLAlchemyError)) and is_transient(exc)),
+    wait=tenacity.wait_exponential(multiplier=BACKOFF_FIRST_S, max=BACKOFF_MAX_S),
+    stop=backoff_spent,
+    retry_error_callback=_unreachable,
+)
+
+
+def retrying(fn):
+    """Retry a whole store call (one transaction) on transient errors, with the backoff above."""
+    return _RETRYING.wraps(fn)
+
+
+class Backoff:
+    """The backoff above for a loop that meets its failures one at a time (the search's work loop)."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         """Start over (the database answered)."""
-        self.delay, self.waited = self.FIRST_S, 0.0
+        self.delay, self.waited = BACKOFF_FIRST_S, 0.0
 
     def retry(self, exc: BaseException) -> bool:
         """Wait before the next try and say True, where ``exc`` is a transient error and time
@@ -207,30 +240,8 @@ class Backoff:
             return False
         time.sleep(self.delay)
         self.waited += self.delay
-        self.delay = min(self.delay * 2, self.MAX_S)
+        self.delay = min(self.delay * 2, BACKOFF_MAX_S)
         return True
-
-
-def retrying(fn):
-    """Retry a whole store call (one transaction) on transient errors, with :class:`Backoff`."""
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        backoff = Backoff()
-        while True:
-            try:
-                return fn(self, *args, **kwargs)
-            except (StoreError, SQLAlchemyError) as exc:
-                if backoff.retry(exc):
-                    continue
-                if is_transient(exc):
-                    raise StoreError(
-                        f"the database ({self.masked_url}) is unreachable after {backoff.waited:.0f} s of retries: "
-                        f"{str(exc).splitlines()[0][:200]}; what was stored is kept — resume with --resume"
-                    ) from exc
-                raise
-
-    return wrapper
 
 
 _LOCK_NAMESPACE = 0x4146  # "AF": advisory-lock namespace of autofit's study locks
@@ -752,14 +763,11 @@ class Store:
                 finally:
                     conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_LOCK_NAMESPACE}, {int(key)})")
             return
-        import fcntl
+        from filelock import FileLock
 
-        with open(f"{self._url.database}.{name}.lock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        # filelock: an flock on Unix (a waiter retries every 50 ms); the file stays beside the database
+        with FileLock(f"{self._url.database}.{name}.lock"):
+            yield
 
     # -- studies --------------------------------------------------------------------------
     @retrying

@@ -412,3 +412,39 @@ def test_a_work_dir_that_cannot_be_created_stops_with_one_line_not_a_traceback(t
     ev = MeasuredEvaluator(work_dir=tmp_path / "afile" / "sub", env=ENV)
     with pytest.raises(AutofitError, match=r"cannot create a trial directory in .*/afile/sub: Not a directory"):
         ev.evaluate(Plan(precision="32-true"), cpu_ctx())
+
+
+TREE = """
+import subprocess, sys, time
+# a worker in a session of its own that ignores SIGTERM (torchrun starts its workers so)
+IGNORE = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(); time.sleep(60)"
+stubborn = subprocess.Popen([sys.executable, "-c", IGNORE], start_new_session=True, stdout=subprocess.PIPE)
+stubborn.stdout.readline()
+# an orphan: re-parented before the kill, found only through the child's group
+orphan = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout
+print(stubborn.pid, orphan.strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill_tree_takes_down_the_whole_tree(monkeypatch):
+    """SIGTERM to the child, its group and every process below it; SIGKILL after the grace
+    to what ignored it; the child's exit status is kept for classify."""
+    import signal
+    import subprocess
+    import sys
+
+    from autofit.evaluators import measured
+
+    monkeypatch.setattr(measured, "KILL_GRACE_S", 0.5)
+    proc = subprocess.Popen([sys.executable, "-c", TREE], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        stubborn, orphan = map(int, proc.stdout.readline().split())
+        assert alive(stubborn) and alive(orphan)
+        pids = measured.kill_tree(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert {proc.pid, stubborn} <= pids
+    assert not alive(stubborn) and not alive(orphan)
+    assert proc.returncode == -signal.SIGTERM

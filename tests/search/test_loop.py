@@ -337,3 +337,38 @@ def test_screened_and_pruned_are_two_statuses(store, monkeypatch):
     assert {by_id[t.optuna_trial_id].user_attrs["status"] for t in pruned} == {"pruned"}
     assert all(max(by_id[t.optuna_trial_id].constraints.values()) > 0 for t in screened)
     assert all(max(by_id[t.optuna_trial_id].constraints.values()) <= 0 for t in pruned)
+
+
+def test_the_work_loop_waits_out_an_outage_with_the_stores_backoff(monkeypatch):
+    """PostgreSQL away: the loop waits as a store call does, then says how to resume."""
+    import time
+    import types
+
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from autofit.errors import AutofitError
+    from autofit.search.loop import _Outage
+    from autofit.store import store as store_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(store_module, "RETRY_TOTAL_S", 30.0)
+    outage = _Outage(types.SimpleNamespace(masked_url="postgresql+psycopg://u:***@h/db"))
+    lost = OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+    for _ in range(7):
+        outage.wait_or_raise(lost)
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    with pytest.raises(AutofitError) as err:
+        outage.wait_or_raise(lost)
+    assert str(err.value) == (
+        "the database (postgresql+psycopg://u:***@h/db) is unreachable after 32 s of retries; "
+        "every finished trial is stored — resume with `autofit search ... --resume`"
+    )
+    assert err.value.__cause__ is lost and len(slept) == 7
+    outage.clear()  # a trial ran: the next outage starts over
+    outage.wait_or_raise(lost)
+    assert slept[-1] == 0.5
+    rejected = IntegrityError("INSERT", {}, ValueError("duplicate key"))
+    with pytest.raises(IntegrityError) as err:
+        outage.wait_or_raise(rejected)
+    assert err.value is rejected and len(slept) == 8

@@ -531,3 +531,102 @@ def test_a_trial_result_round_trips_through_its_dict(store):
     for r in [*gpt2_results(gpt2_ctx()), *llama_results(llama_ctx())]:
         assert TrialResult.from_dict(r.as_dict()) == r
         assert TrialResult.from_dict(json.loads(json.dumps(r.as_dict()))) == r
+
+
+# -- retries while the database is away ---------------------------------------------------------
+class _Flaky:
+    """A store call that loses its connection ``fails`` times, then answers."""
+
+    masked_url = "postgresql+psycopg://u:***@h/db"
+
+    def __init__(self, fails: int, exc: BaseException | None = None):
+        self.fails, self.calls = fails, 0
+        self.exc = exc
+
+    def _lost(self) -> BaseException:
+        from sqlalchemy.exc import OperationalError
+
+        return OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused\nsecond line"))
+
+    def call(self) -> int:
+        from autofit.store.store import retrying
+
+        @retrying
+        def once(self) -> int:
+            self.calls += 1
+            if self.calls <= self.fails:
+                raise self.exc or self._lost()
+            return 42
+
+        return once(self)
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The backoff's sleeps, recorded instead of slept; 30 s of retries as by default."""
+    import time
+
+    from autofit.store import store as store_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(store_module, "RETRY_TOTAL_S", 30.0)
+    return slept
+
+
+def test_a_store_call_retries_a_lost_connection_with_backoff(waits):
+    flaky = _Flaky(fails=3)
+    assert flaky.call() == 42 and flaky.calls == 4
+    assert waits == [0.5, 1.0, 2.0]
+
+
+def test_a_store_call_gives_up_after_the_retry_time_in_one_line(waits):
+    flaky = _Flaky(fails=1000)
+    with pytest.raises(StoreError) as err:
+        flaky.call()
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]  # 31.5 s waited: the 30 s are spent
+    assert flaky.calls == 8
+    assert str(err.value) == (
+        "the database (postgresql+psycopg://u:***@h/db) is unreachable after 32 s of retries: "
+        "(builtins.ConnectionRefusedError) connection refused; what was stored is kept — resume with --resume"
+    )
+    assert err.value.__cause__ is not None and "connection refused" in str(err.value.__cause__)
+
+
+def test_a_query_the_database_rejects_is_raised_at_once(waits):
+    from sqlalchemy.exc import IntegrityError
+
+    rejected = IntegrityError("INSERT", {}, ValueError("duplicate key"))
+    flaky = _Flaky(fails=1, exc=rejected)
+    with pytest.raises(IntegrityError) as err:
+        flaky.call()
+    assert err.value is rejected and flaky.calls == 1 and waits == []
+    refused = StoreError("study 7 not found")
+    with pytest.raises(StoreError) as err:
+        _Flaky(fails=1, exc=refused).call()
+    assert err.value is refused and waits == []
+
+
+def test_a_locked_sqlite_file_is_retried_but_not_other_sqlite_errors(waits):
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    locked = OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+    assert _Flaky(fails=2, exc=locked).call() == 42 and waits == [0.5, 1.0]
+    broken = OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+    with pytest.raises(OperationalError):
+        _Flaky(fails=1, exc=broken).call()
+    assert waits == [0.5, 1.0]
+
+
+def test_the_backoff_restarts_once_the_database_answers(waits):
+    from autofit.store.store import Backoff
+
+    lost = _Flaky(0)._lost()
+    backoff = Backoff()
+    assert all(backoff.retry(lost) for _ in range(7)) and not backoff.retry(lost)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0] and backoff.waited == 31.5
+    assert not backoff.retry(StoreError("not a lost connection"))
+    backoff.clear()
+    assert backoff.waited == 0 and backoff.retry(lost) and waits[-1] == 0.5
