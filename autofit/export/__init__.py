@@ -262,5 +262,9 @@ def _checks(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> list[str]:
         ("optimizer_in_backward", "Optimizer step in backward"),
     ):
         if args[key]["enabled"]:
-            before.append(f"- {name} (no Trainer switch; train.py applies it): in your own script, {args[key]['how']}.")
+            entry = args[key]
+            before.append(
+                f"- {name} (no Trainer switch; train.py applies it): in your own script, "
+                f"`{entry['helper']}`; {entry['how']}."
+            )
     return before

@@ -92,6 +92,11 @@ def test_measured_search_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     assert best.evaluator == "measured" and best.fits
     assert tied(fastest, best) and complexity(best.plan) <= complexity(fastest.plan)
     assert data["best"]["plan_id"] == best.plan.plan_id
-    # the exported files are the ones the winning trial ran with
+    # the exported files are the ones the winning trial ran with; plan.json adds what it measured
     exported = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
-    assert exported == best.extra["exported_sha256"]
+    ran = dict(best.extra["exported_sha256"])
+    assert exported.keys() == ran.keys()
+    assert exported.pop("plan.json") != ran.pop("plan.json") and exported == ran
+    record = json.loads((out / "plan.json").read_text())
+    assert record["plan_id"] == best.plan.plan_id and record["expected"]["evaluator"] == "measured"
+    assert record["expected"]["tokens_per_sec"] == best.tokens_per_sec
