@@ -93,7 +93,8 @@ def train_script() -> str:
 
 def plan_record(plan: Plan, ctx: Target, expected: TrialResult | None = None) -> dict[str, Any]:
     """``plan.json``: the plan (which ``autofit.launch`` rebuilds), its target, and what the
-    evaluation it was chosen by expects of one rank (null when the export has none)."""
+    evaluation it was chosen by expects: memory per GPU, tokens/s of the whole cluster (null
+    when the export has none)."""
     if expected is not None and expected.plan != plan:
         raise ExportError(f"the expected figures are of plan {expected.plan.plan_id}, not of {plan.plan_id}")
     record: dict[str, Any] = {
