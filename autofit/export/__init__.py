@@ -217,17 +217,17 @@ def _launch(plan: Plan, args: dict) -> list[str]:
     ]
 
 
+# the techniques of trainer_args.json that have no Trainer switch (train.py's PlanTrainer applies them)
+_NO_SWITCH = {
+    "selective_checkpointing": "selective checkpointing",
+    "activation_offloading": "activation offloading",
+    "optimizer_in_backward": "optimizer step in backward",
+}
+
+
 def _no_switch_line(args: dict) -> str:
     """What train.py's ``autofit.launch.PlanTrainer`` applies for this plan (the Trainer has no switch for it)."""
-    parts = [
-        label
-        for key, label in (
-            ("selective_checkpointing", "selective checkpointing"),
-            ("activation_offloading", "activation offloading"),
-            ("optimizer_in_backward", "the optimizer step in backward"),
-        )
-        if args[key]["enabled"]
-    ]
+    parts = [name for key, name in _NO_SWITCH.items() if args[key]["enabled"]]
     if args["fused_loss"]["enabled"] or args["fused_kernels"]["enabled"]:
         parts.append("autofit's stand-ins for Liger's kernels where Liger cannot run")
     if not parts:
@@ -257,15 +257,11 @@ def _checks(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> list[str]:
     if args["fused_kernels"]["enabled"]:
         fk = args["fused_kernels"]
         before.append(f"- Fused kernels: {fk['kernels']}; {fk['fallback']}.")
-    for key, name in (
-        ("selective_checkpointing", "Selective checkpointing"),
-        ("activation_offloading", "Activation offloading"),
-        ("optimizer_in_backward", "Optimizer step in backward"),
-    ):
+    for key, name in _NO_SWITCH.items():
         if args[key]["enabled"]:
             entry = args[key]
             before.append(
-                f"- {name} (no Trainer switch; train.py applies it): in your own script, "
+                f"- {name[0].upper()}{name[1:]} (no Trainer switch; train.py applies it): in your own script, "
                 f"`{entry['helper']}`; {entry['how']}."
             )
     return before
