@@ -166,7 +166,10 @@ class PlanTrainer(Trainer):
         self._rope = self._offload = None
         if plan.checkpointing is Checkpointing.SELECTIVE:
             runtime.enable_checkpointing(model, {"use_reentrant": False}, plan)
-            applied.append(f"selective activation checkpointing, one block in {plan.checkpoint_every}")
+            if plan.checkpoint_ops:
+                applied.append("op-level selective activation checkpointing (torchtitan's SelectiveAC policy)")
+            else:
+                applied.append(f"selective activation checkpointing, one block in {plan.checkpoint_every}")
         if liger:
             applied.append("Liger's kernels (use_liger_kernel)")
         if self.chunked_loss:

@@ -168,8 +168,11 @@ class Plan:
     micro_batch: int = 1
     grad_accum: int = 1
     checkpointing: Checkpointing = Checkpointing.NONE
-    # selective checkpointing's period: blocks k-1, 2k-1, ... are checkpointed (techniques.checkpointed_layers)
+    # selective checkpointing's policy, one of two: its period (blocks k-1, 2k-1, ... are
+    # checkpointed; techniques.checkpointed_layers), or op-level (every block checkpointed, the
+    # outputs of its matmuls and attention kernels saved: torchtitan's SelectiveAC; techniques.SAC_*)
     checkpoint_every: int | None = None
+    checkpoint_ops: bool = False
     attention: Attention = Attention.SDPA
     sharding: Sharding = Sharding.NONE
     offload: Offload = Offload.NONE
@@ -212,7 +215,14 @@ class Plan:
             object.__setattr__(self, "lora_dropout", float(d))
         else:
             problems.append(f"lora_dropout must be a number in [0, 1), got {d!r}")
-        for name in ("packing", "fused_loss", "offload_activations", "optimizer_in_backward", "fused_kernels"):
+        for name in (
+            "packing",
+            "fused_loss",
+            "offload_activations",
+            "optimizer_in_backward",
+            "fused_kernels",
+            "checkpoint_ops",
+        ):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if problems:
@@ -275,7 +285,7 @@ class Plan:
         if self.checkpointing is Checkpointing.FULL:
             parts.append("ckpt")
         elif self.checkpointing is Checkpointing.SELECTIVE:
-            parts.append(f"ckpt 1/{self.checkpoint_every}")
+            parts.append("ckpt ops" if self.checkpoint_ops else f"ckpt 1/{self.checkpoint_every}")
         parts.append(self.attention.value)
         if self.sharding is not Sharding.NONE:
             shard = self.sharding.value
@@ -303,6 +313,7 @@ _LATER_FIELDS = {
     "offload_activations": False,
     "optimizer_in_backward": False,
     "fused_kernels": False,
+    "checkpoint_ops": False,
 }
 
 
@@ -394,13 +405,24 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
 
 
 def _checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
-    """Selective checkpointing needs its period, and an engine that lets the model choose its layers."""
+    """Selective checkpointing needs one policy (a period or op-level), and an engine that lets the
+    model checkpoint its own layers."""
     k = plan.checkpoint_every
     if plan.checkpointing is not Checkpointing.SELECTIVE:
-        return ["--checkpoint-every applies only to --checkpointing selective; drop it"] if k is not None else []
+        flags = [
+            f for f, on in (("--checkpoint-every", k is not None), ("--checkpoint-ops", plan.checkpoint_ops)) if on
+        ]
+        return [f"{f} applies only to --checkpointing selective; drop it" for f in flags]
     p = []
-    if k is None:
-        p.append("--checkpointing selective needs --checkpoint-every K (2: every second block)")
+    if k is None and not plan.checkpoint_ops:
+        p.append(
+            "--checkpointing selective needs a policy: --checkpoint-every K (2: every second block) "
+            "or --checkpoint-ops (save matmul and attention outputs, recompute the rest)"
+        )
+    elif k is not None and plan.checkpoint_ops:
+        p.append("--checkpoint-every and --checkpoint-ops are two policies: give one")
+    elif plan.checkpoint_ops:
+        p += _op_checkpointing_problems(plan, model)
     elif k > model.num_layers:
         p.append(
             f"--checkpoint-every {k} is more than {model.name}'s {model.num_layers} blocks: no block is checkpointed"
@@ -409,6 +431,24 @@ def _checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
         p.append(
             "FSDP checkpoints every wrapped block itself (accelerate's fsdp_activation_checkpointing): "
             "use --checkpointing full with fsdp, or zero3 for selective checkpointing"
+        )
+    return p
+
+
+def _op_checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """What op-level checkpointing is not modelled with (the estimators would guess)."""
+    p = []
+    if model.family.moe:
+        # the experts' GEMMs (torch._grouped_mm, or one mm per expert off CUDA) depend on the routing
+        p.append(
+            f"--checkpoint-ops is not modelled for mixture-of-experts blocks ({model.model_type}): "
+            "use --checkpoint-every K or --checkpointing full"
+        )
+    if plan.offload_activations:
+        # op-level checkpointing's saved outputs are held by its dispatch mode, not by autograd's
+        # saved-tensor hooks, so activation offload would move only the block inputs
+        p.append(
+            "--checkpoint-ops keeps its saved outputs on the GPU: use --checkpointing full with --offload-activations"
         )
     return p
 
@@ -540,7 +580,7 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
     out: list[str] = []
     if (base.method, base.lora_rank) != (other.method, other.lora_rank):
         out.append(f"method {_method_label(base)} → {_method_label(other)}")
-    if (base.checkpointing, base.checkpoint_every) != (other.checkpointing, other.checkpoint_every):
+    if _checkpointing_label(base) != _checkpointing_label(other):
         out.append(f"checkpointing {_checkpointing_label(base)} → {_checkpointing_label(other)}")
     for name in ("lora_targets", "lora_dropout", "precision", "optimizer", "attention", "sharding"):
         a, b = getattr(base, name), getattr(other, name)
@@ -565,8 +605,9 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
 
 
 def _checkpointing_label(plan: Plan) -> str:
-    every = f" (every {plan.checkpoint_every})" if plan.checkpointing is Checkpointing.SELECTIVE else ""
-    return plan.checkpointing.value + every
+    if plan.checkpointing is not Checkpointing.SELECTIVE:
+        return plan.checkpointing.value
+    return plan.checkpointing.value + (" (ops)" if plan.checkpoint_ops else f" (every {plan.checkpoint_every})")
 
 
 def _method_label(plan: Plan) -> str:

@@ -44,14 +44,49 @@ def liger_config(plan: Plan) -> dict[str, bool]:
 
 
 def checkpointed_layers(plan: Plan, num_layers: int) -> tuple[bool, ...]:
-    """Which decoder layers activation checkpointing recomputes: all (full), none, or every
-    ``checkpoint_every``-th counting from one (torchtitan's layer-selective rule in
-    ``torchtitan/distributed/activation_checkpoint.py``: layers k-1, 2k-1, ...)."""
-    if plan.checkpointing is Checkpointing.FULL:
+    """Which decoder layers activation checkpointing recomputes: all (full, and op-level
+    selective, which recomputes part of each), none, or every ``checkpoint_every``-th counting
+    from one (torchtitan's layer-selective rule in ``torchtitan/distributed/activation_checkpoint.py``
+    before it kept only the op-level one: layers k-1, 2k-1, ...)."""
+    if plan.checkpointing is Checkpointing.FULL or (
+        plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_ops
+    ):
         return (True,) * num_layers
     if plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_every:
         return tuple((i + 1) % plan.checkpoint_every == 0 for i in range(num_layers))
     return (False,) * num_layers
+
+
+def all_checkpointed(plan: Plan) -> bool:
+    """Every block is checkpointed: full, or op-level selective checkpointing."""
+    return plan.checkpointing is Checkpointing.FULL or (
+        plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_ops
+    )
+
+
+# Op-level selective checkpointing (``Plan.checkpoint_ops``), torchtitan's ``SelectiveAC``
+# (torchtitan/distributed/activation_checkpoint.py, ``_get_default_save_ops`` and
+# ``wrapped_policy``): every block runs under ``torch.utils.checkpoint`` with
+# ``create_selective_checkpoint_contexts``, whose policy saves the outputs of the
+# compute-intensive ops and recomputes every other op in backward, except every second
+# ``mm``/``linear`` of a block's forward (counted afresh each forward), which is recomputed too.
+# The saved ops, by aten name: torch's partitioner list (``get_default_op_list().compute_intensive_ops``,
+# read at run time by ``runtime.op_checkpoint_contexts``) and torchtitan's additions that a
+# transformers block can issue. One addition of ours: the CPU's flash kernel, the same op as
+# CUDA's on another device (torchtitan never runs on the CPU), so a CPU run saves what a GPU's does.
+# The FlashAttention-2 package's ops (flash_attn 2.6+ registers them with torch) are saved for
+# the same reason: transformers' flash_attention_2 runs them where torchtitan runs sdpa.
+SAC_SAVED_OPS = (
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten.linear",
+    "aten.topk",
+    "aten.max",
+    "flash_attn._flash_attn_forward",
+    "flash_attn._flash_attn_varlen_forward",
+)
+SAC_COUNTED_OPS = ("aten.mm", "aten.linear")  # every second one of these a block's forward issues is recomputed
 
 
 # bytes per element, and the short names GPU peak tables and kernel rules use

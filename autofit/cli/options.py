@@ -187,7 +187,14 @@ def plan_options(fn: Callable) -> Callable:
             default=None,
             metavar="K",
             help="With --checkpointing selective: checkpoint every K-th block (blocks K, 2K, ... counted from 1; "
-            "torchtitan's selective_ac_option). Default: 2.",
+            "torchtitan's selective_ac_option). Default: 2, unless --checkpoint-ops.",
+        ),
+        click.option(
+            "--checkpoint-ops/--no-checkpoint-ops",
+            default=False,
+            show_default=True,
+            help="With --checkpointing selective: checkpoint every block, but save the outputs of its matmuls and "
+            "attention kernel (every second bias-free matmul recomputed): torchtitan's op-level SelectiveAC.",
         ),
         click.option(
             "--attention",

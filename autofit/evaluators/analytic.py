@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from autofit.evaluators import costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
-from autofit.plan import Attention, Checkpointing, Method, Offload, Optimizer, Plan, Precision
+from autofit.plan import Attention, Method, Offload, Optimizer, Plan, Precision
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
-from autofit.techniques import checkpointed_layers, dtype_layout, model_notes
+from autofit.techniques import all_checkpointed, checkpointed_layers, dtype_layout, model_notes
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ class _Block:
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
     recompute_cut: float = 0.0
+    # what a checkpointed block keeps through forward, per token and per token per attended
+    # position: its input, and under op-level checkpointing the outputs its policy saves (``sac_saves``)
+    kept_tok: float = 0.0
+    kept_quad: float = 0.0
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -487,11 +491,22 @@ def block_activations(
         down, prod, norm_out = _parallel_mlp(s, model, ln1)
     else:
         down, prod, norm_out = _plain_mlp(s, model)
-    return _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
+    kept = (s.r * s.h, 0.0)
+    if plan.checkpoint_ops:
+        tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
+        kept = (s.r * s.h + tok, quad)
+    return _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out, kept)
 
 
 def _block_summary(
-    s: _Saves, model: ModelSpec, math: bool, before_mlp: float, down: str, prod: str, norm_out: str
+    s: _Saves,
+    model: ModelSpec,
+    math: bool,
+    before_mlp: float,
+    down: str,
+    prod: str,
+    norm_out: str,
+    kept: tuple[float, float],
 ) -> _Block:
     """The block's saves and the transients around them (measured on the CPU)."""
     f, plan, saved, r, c, h = s.f, s.plan, s.saved, s.r, s.c, s.h
@@ -544,10 +559,69 @@ def _block_summary(
         mlp_fwd_tok,
         held_tok,
         cut,
+        *kept,
     )
 
 
 @functools.lru_cache(maxsize=4096)
+def _sac_kernel(model: ModelSpec, plan: Plan, sdpa: str) -> str:
+    """The attention a block runs, as op-level checkpointing sees it: ``eager`` (its matmuls),
+    ``alibi`` (BLOOM's baddbmm and bmm), ``math`` (sdpa's math kernel, decomposed into matmuls in
+    fp32), or ``kernel`` (one op whose output and logsumexp are saved: sdpa's flash or efficient
+    kernel, FlashAttention-2)."""
+    if model.family.positions == "alibi":
+        return "alibi"
+    if plan.attention is Attention.EAGER:
+        return "eager"
+    return "math" if sdpa == "math" else "kernel"
+
+
+@functools.lru_cache(maxsize=1024)
+def sac_saves(
+    model: ModelSpec, plan: Plan, cpu: bool, attention: str
+) -> tuple[float, float, tuple[bool, ...], tuple[bool, ...]]:
+    """What op-level selective checkpointing (``techniques.SAC_SAVED_OPS``, torchtitan's policy)
+    saves of one block's forward: (bytes per token, bytes per token per attended position, for
+    each Linear of ``model.linears()`` whether it is recomputed, the same for each LoRA adapter's
+    two GEMMs in ``_gemms`` order).
+
+    A bias-free Linear is an ``mm`` (counted: every second one is recomputed), a Linear with a bias
+    an ``addmm`` (GPT-2's Conv1D too: always saved), each LoRA adapter two bias-free ``mm``
+    after its base Linear's (peft ``lora.Linear.forward``). Quantized base weights run as one
+    bitsandbytes op that the policy does not save (``gemm_4bit``; on CUDA LLM.int8's int8 GEMM;
+    the CPU's ``MatMul8bitFp`` dequantizes into a plain ``mm``). Attention (``_sac_kernel``): a
+    kernel op saves its output and fp32 logsumexp; eager saves both matmuls' outputs (the
+    scores, s² per head); the math kernel the same in fp32; BLOOM's ``baddbmm`` is not on the
+    list, its second matmul is.
+    """
+    f, c = model.family, dtype_layout(plan).compute_bytes
+    a, qd = model.num_heads, model.q_dim
+    r = plan.lora_rank or 0
+    bias = {"attention": f.qkv_bias, "out": f.out_bias, "mlp": f.mlp_bias}
+    mm_base = plan.method in (Method.FULL, Method.LORA) or (plan.method is Method.LORA_8BIT and cpu)
+    count, tok, quad = 0, 0.0, 0.0
+    base, adapters = [], []
+
+    def matmul(width: int, counted: bool) -> bool:  # whether it is recomputed
+        nonlocal count, tok
+        count += counted
+        if counted and count % 2 == 0:
+            return True
+        tok += width * c
+        return False
+
+    for name, _, o, part in model.linears():
+        if name == f.attn_out:  # the attention between the projections and their output
+            md = 4 if attention == "math" else c
+            quad += {"eager": a * c, "math": a * 4}.get(attention, 0)
+            tok += qd * md + (4 * a if attention == "kernel" else 0)
+        has_bias = bias["out" if name == f.attn_out else part] or f.model_type == "gpt2"
+        base.append(matmul(o, not has_bias) if mm_base else True)
+        if plan.is_peft and plan.lora_targets.covers(part):
+            adapters += [matmul(r, True), matmul(o, True)]
+    return tok, quad, tuple(base), tuple(adapters)
+
+
 def _head_activations(model: ModelSpec, plan: Plan, cpu: bool = False) -> float:
     """Bytes per token saved outside the blocks: embeddings, final norm, the head's input.
 
@@ -692,10 +766,14 @@ def _activations(
     n_ckpt = sum(flags)
     # a checkpointed block keeps its input (and what LLM.int8 holds), the others their saves
     held = t_mem * blk.held_tok
-    saved_blocks = n_ckpt * (t_mem * lay.base_bytes * model.hidden_size + held) + (L - n_ckpt) * block_bytes
+    kept = t_mem * (blk.kept_tok + s * blk.kept_quad)
+    saved_blocks = n_ckpt * (kept + held) + (L - n_ckpt) * block_bytes
+    # op-level checkpointing's saved outputs (beyond the input): its recompute takes them back
+    # instead of computing them (they are among the block's saves then), and its forward makes them
+    sac = kept - t_mem * lay.base_bytes * model.hidden_size
     if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
         saved_blocks -= t_mem * blk.first_norm
-    recompute = block_bytes if n_ckpt else 0.0  # one block's activations while it runs backward
+    recompute = block_bytes - sac if n_ckpt else 0.0  # one block's activations while it runs backward
     trailing = (L - 1 - max(i for i, f in enumerate(flags) if f)) * block_bytes if n_ckpt else 0.0
     offloaded = 0.0
     if plan.offload_activations:
@@ -709,7 +787,7 @@ def _activations(
     fwd_temp = t_mem * s * blk.fwd_quad
     if flags[-1]:
         # a checkpointed forward saves nothing: what the attention half would save is transient
-        fwd_temp += block_bytes - t_mem * blk.mlp_tok
+        fwd_temp += block_bytes - sac - t_mem * blk.mlp_tok
     cpu = ctx.cluster.gpu.kind == "cpu"
     if plan.quantized:  # one Linear dequantized to the compute dtype at a time
         dequant = max(i * o for _, i, o, _ in model.linears()) * c
@@ -758,6 +836,8 @@ class _States:
     st: costs.ShardedStates
     layer_trainable: float  # trainable elements of one block
     autocast_copies: float  # autocast's 16-bit weight copies alive through backward
+    # ... and in forward, where autocast's cache holds every block's (checkpointed or not) until it exits
+    forward_copies: float
     first_block_copies: float  # ... of them still alive at the first block's backward
     early_grads: float  # the output head's gradient (first micro-batch), sharded
     block_tail_grads: float  # the last block's MLP and output-projection gradients, sharded
@@ -768,7 +848,7 @@ class _States:
 def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     lay = dtype_layout(plan)
     L, c = model.num_layers, lay.compute_bytes
-    ckpt = plan.checkpointing is Checkpointing.FULL
+    ckpt = all_checkpointed(plan)
     # blocks whose matmuls keep autocast's copies: the unchecked ones and the one recomputed
     n_ckpt = sum(checkpointed_layers(plan, L))
     kept = L - n_ckpt + (1 if n_ckpt else 0)
@@ -784,13 +864,15 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     st = costs.shard_states(plan, model, ctx.cluster, sb, layer_weights, layer_trainable, step_tmp)
     # autocast caches a 16-bit copy of every fp32 weight a matmul uses, and the matmuls
     # save them for backward
-    autocast_copies = 0.0
+    autocast_copies = forward_copies = 0.0
     if lay.autocasts and plan.method is Method.FULL:
         head_copy = model.vocab_size * model.hidden_size
         # (full checkpointing: only the recomputed block's copies live on)
         autocast_copies = 2 * (model.linear_params() * kept / L + head_copy)
+        forward_copies = 2 * (model.linear_params() + head_copy)
     elif lay.autocasts:  # the fp32 LoRA adapters
         autocast_copies = 2 * sb.trainable_weights / sb.param_elem_bytes * kept / L
+        forward_copies = 2 * sb.trainable_weights / sb.param_elem_bytes
     # gradients alive while the last block runs backward: the accumulated ones, or (first
     # micro-batch) the output head's, sharded where the engine shards gradients
     head_grads = model.vocab_size * model.hidden_size * sb.grad_elem_bytes if plan.method is Method.FULL else 0
@@ -813,6 +895,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         st=st,
         layer_trainable=layer_trainable,
         autocast_copies=autocast_copies,
+        forward_copies=forward_copies,
         # by the first block's backward the other blocks' copies are freed with their saved tensors
         first_block_copies=autocast_copies if ckpt else autocast_copies / kept,
         early_grads=early_grads,
@@ -835,7 +918,7 @@ def _moments(
     if plan.offload_activations:  # autocast's copies leave with its cache; those saved are offloaded
         bwd_states = {**states, "weights": st.weights + ms.first_block_copies}
     moments = {
-        **_forward_moments(act, ms, blk, t_mem, states, persistent_tmp),
+        **_forward_moments(act, ms, blk, t_mem, {**states, "weights": st.weights + ms.forward_copies}, persistent_tmp),
         **_backward_moments(model, plan, act, ms, blk, t_mem, s, bwd_states, persistent_tmp, in_blocks),
         **_step_end_moments(ms, persistent_tmp),
     }
@@ -895,7 +978,7 @@ def _backward_moments(
     model, plan, act, ms, blk, t_mem, s, states, persistent_tmp, in_blocks
 ) -> dict[str, dict[str, float]]:
     st, sb = ms.st, ms.sb
-    ckpt = plan.checkpointing is Checkpointing.FULL
+    ckpt = all_checkpointed(plan)
     # what a block's attention backward no longer holds: its MLP, o_proj input and 16-bit probs
     freed = t_mem * (blk.mlp_tok + blk.attn_freed) + t_mem * s * blk.probs_quad
     first_grads = st.gradients - ms.layer_trainable * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
@@ -986,7 +1069,7 @@ def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_bloc
             "temporary": persistent_tmp + incoming,
         }
     }
-    if plan.checkpointing is not Checkpointing.FULL:  # selective: block 0 is not checkpointed
+    if not all_checkpointed(plan):  # selective every k-th: block 0 is not checkpointed
         return last
     return {
         **last,
@@ -1100,6 +1183,17 @@ def step_work(
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
     attn_fwd = 4 * T * attended * model.q_dim * L
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
+    # what the recompute runs again: every GEMM and attention of a checkpointed block, or under
+    # op-level checkpointing the GEMMs its policy does not save (and BLOOM's scores)
+    recomputed = tuple((f, b, d, n * rc) for f, b, d, n in (*block, *adapters)) if rc else ()
+    attn_recompute = attn_fwd * rc
+    if plan.checkpoint_ops:
+        cpu = cluster.gpu.kind == "cpu"
+        kernel = sdpa_kernel(model, plan, _masked(model, plan, workload), cpu, cluster.gpu.compute_capability)
+        attention = _sac_kernel(model, plan, kernel if plan.attention is Attention.SDPA else "")
+        _, _, again, again_adapters = sac_saves(model, plan, cpu, attention)
+        recomputed = tuple(g for g, on in zip((*block, *adapters), (*again, *again_adapters), strict=True) if on)
+        attn_recompute = attn_fwd / 2 if attention == "alibi" else 0.0
 
     # memory-bound traffic: activations written in forward and read in backward, their
     # gradients written and read (eager's s² tensors are in block_bytes); the logits path
@@ -1121,10 +1215,9 @@ def step_work(
         kernels=L * k_fwd + KERNELS_HEAD,
     )
     weight_grads = (*block, *head) if full else ()
-    recomputed = tuple((f, b, d, n * rc) for f, b, d, n in (*block, *adapters)) if rc else ()
     backward = timing.PhaseWork(
         gemms=(*block, *head, *weight_grads, *adapters, *adapters, *recomputed),
-        attention=attn_bwd + attn_fwd * rc,
+        attention=attn_bwd + attn_recompute,
         memory_bytes=max(0.0, (2.5 + 1.5 * rc) * elementwise - (2.5 + 1.0 * rc) * fused_fwd)
         + logits / 2
         + q_bwd
@@ -1140,7 +1233,7 @@ def step_work(
         kernels=0 if plan.offload is not Offload.NONE else _optimizer_kernels(plan, tensors),
     )
     model_flops = forward.gemm_flops + attn_fwd + backward.gemm_flops + attn_bwd
-    model_flops -= rc * (sum(f * n for f, _, _, n in (*block, *adapters)) + attn_fwd)
+    model_flops -= sum(f * n for f, _, _, n in recomputed) + attn_recompute
     return timing.StepWork(
         dtype=costs.compute_dtype(plan),
         attention_kernel=attention_kernel(model, plan, workload, cluster),

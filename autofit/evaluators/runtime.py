@@ -14,6 +14,7 @@ engine's fp32 master / sharded fp32 parameters are accounted by ``costs.shard_st
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
@@ -34,6 +35,8 @@ from autofit.techniques import (  # noqa: F401 - ATTN_IMPL and lora_target_names
     INT8_THRESHOLD,
     NF4_DOUBLE_QUANT,
     NF4_QUANT_TYPE,
+    SAC_COUNTED_OPS,
+    SAC_SAVED_OPS,
     checkpointed_layers,
     dtype_layout,
     lora_kwargs,
@@ -118,12 +121,15 @@ def build_model(
 
 def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], plan: Plan | None = None) -> None:
     """Activation checkpointing through the model's own API (renamed in transformers 5); with
-    ``plan`` selective, only its layers (``techniques.checkpointed_layers``) keep it on.
+    ``plan`` selective, only its layers (``techniques.checkpointed_layers``) keep it on, and
+    with op-level checkpointing every layer runs under ``op_checkpoint_contexts``.
 
     transformers checkpoints each ``GradientCheckpointingLayer`` whose ``gradient_checkpointing``
     flag is set (``modeling_layers.py``); enabling sets every decoder layer's, so the others
     are switched off again here, in layer order.
     """
+    if plan is not None and plan.checkpoint_ops:
+        kwargs = {**kwargs, "context_fn": functools.partial(op_checkpoint_contexts, kwargs.get("context_fn"))}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
@@ -135,6 +141,55 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any], plan: P
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         for layer, on in zip(layers, checkpointed_layers(plan, len(layers)), strict=True):
             layer.gradient_checkpointing = on
+
+
+@functools.cache
+def _sac_ops() -> tuple[frozenset, frozenset]:
+    """(the ops whose outputs op-level checkpointing saves, the ops it counts): ``techniques.SAC_*``."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    def ops(names: tuple[str, ...]) -> set:
+        found = set()
+        for name in names:  # an op not registered here (flash_attn not installed) is left out
+            namespace, op = name.split(".")
+            try:
+                found.add(getattr(getattr(torch.ops, namespace), op).default)
+            except (AttributeError, RuntimeError):
+                continue
+        return found
+
+    saved = {op.default for op in get_default_op_list().compute_intensive_ops} | ops(SAC_SAVED_OPS)
+    return frozenset(saved), frozenset(ops(SAC_COUNTED_OPS))
+
+
+def op_checkpoint_contexts(inner: Callable[[], tuple[Any, Any]] | None = None) -> tuple[Any, Any]:
+    """The (forward, recompute) contexts of one checkpointed block under op-level selective
+    checkpointing (torchtitan's ``SelectiveAC`` policy, ``techniques.SAC_SAVED_OPS``): a fresh
+    mm count per call, as torchtitan makes one per checkpoint. ``inner``: another
+    ``context_fn`` whose contexts are entered too (the simulator's recompute phase)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved, counted = _sac_ops()
+    count = {False: 0, True: 0}  # forward, recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in counted:
+            count[ctx.is_recompute] += 1
+        if func in saved and not (func in counted and count[ctx.is_recompute] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if inner is None:
+        return forward, recompute
+    inner_forward, inner_recompute = inner()
+    return _both(inner_forward, forward), _both(inner_recompute, recompute)
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def quantize_linears(

@@ -221,8 +221,11 @@ def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
         return {"enabled": False}
     k = plan.checkpoint_every
     flag, kwargs = checkpointing_names()
+    if plan.checkpoint_ops:
+        return _op_checkpointing(plan, ctx, flag, kwargs)
     return {
         "enabled": True,
+        "policy": "layers",
         "every": k,
         "layers": [i for i, on in enumerate(checkpointed_layers(plan, ctx.model.num_layers)) if on],
         "helper": "autofit.evaluators.runtime.enable_checkpointing",
@@ -231,6 +234,22 @@ def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
         f"layer.gradient_checkpointing = (i + 1) % {k} == 0` (keep {flag} off in "
         "TrainingArguments: Trainer.train would switch every block on)",
         "library": f"torchtitan's layer-selective activation checkpointing (selective_ac_option = {k})",
+    }
+
+
+def _op_checkpointing(plan: Plan, ctx: Target, flag: str, kwargs: str) -> dict[str, Any]:
+    """Every block checkpointed under torchtitan's op-level policy: its ``context_fn`` is a function,
+    which TrainingArguments' JSON checkpointing kwargs cannot carry, so the script enables it."""
+    return {
+        "enabled": True,
+        "policy": "ops",
+        "layers": list(range(ctx.model.num_layers)),
+        "helper": "autofit.evaluators.runtime.enable_checkpointing",
+        "how": f"before building the Trainer: `model.{flag}_enable({kwargs}="
+        '{"use_reentrant": False, "context_fn": autofit.evaluators.runtime.op_checkpoint_contexts})` '
+        f"(keep {flag} off in TrainingArguments: Trainer.train would enable it again without the policy)",
+        "library": "torchtitan's op-level selective activation checkpointing (SelectiveAC: "
+        "torch.utils.checkpoint.create_selective_checkpoint_contexts saving matmul and attention outputs)",
     }
 
 

@@ -269,10 +269,12 @@ def _candidates(
 ) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
     """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
     invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
-    for ckpt in Checkpointing:
-        if ckpt is not plan.checkpointing:
-            every = DEFAULT_CHECKPOINT_EVERY if ckpt is Checkpointing.SELECTIVE else None
-            changed = plan.replace(checkpointing=ckpt, checkpoint_every=every)
+    # each checkpointing, selective with each of its policies (a period, op-level)
+    policies = [(c, None, False) for c in Checkpointing if c is not Checkpointing.SELECTIVE]
+    policies += [(Checkpointing.SELECTIVE, DEFAULT_CHECKPOINT_EVERY, False), (Checkpointing.SELECTIVE, None, True)]
+    for ckpt, every, ops in policies:
+        changed = plan.replace(checkpointing=ckpt, checkpoint_every=every, checkpoint_ops=ops)
+        if changed != plan:
             yield "checkpointing", plan_changes(plan, changed)[0], changed, []
     toggles = (
         ("fused_loss", "fused loss"),

@@ -138,7 +138,7 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
     opts.setdefault("attention", "sdpa" if "sdpa" in ctx.model.family.attn_impls else "eager")
     if str(opts.get("method", "full")) != "full":
         opts.setdefault("lora_rank", DEFAULT_LORA_RANK)
-    if str(opts.get("checkpointing", "")) == "selective":
+    if str(opts.get("checkpointing", "")) == "selective" and not opts.get("checkpoint_ops"):
         opts.setdefault("checkpoint_every", DEFAULT_CHECKPOINT_EVERY)
     mb = opts.get("micro_batch", 1)
     if "grad_accum" not in opts:

@@ -111,7 +111,7 @@ def test_each_toggle_is_one_technique_evaluated_analytically(tight_study):
     ev = AnalyticEvaluator()
     assert effects.baseline.memory == ev.evaluate(winner.plan, ctx).memory
     may_change = {
-        "checkpointing": {"checkpointing", "checkpoint_every"},
+        "checkpointing": {"checkpointing", "checkpoint_every", "checkpoint_ops"},
         "fused loss": {"fused_loss"},
         "fused kernels": {"fused_kernels"},
         "attention": {"attention"},
