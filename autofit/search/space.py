@@ -7,7 +7,7 @@ default methods are full, lora and qlora: lora-8bit (LLM.int8 base weights) is s
 where ``--methods`` names it: on every model × GPU pair of
 benchmarks/results/2026-12-04-lora-8bit.md the analytic screen ranks its fastest plan below
 qlora's, so by default it would only lengthen the search. The
-rest — checkpointing (with activation offload beside it on a GPU), attention kernel,
+rest — checkpointing (full or op-level selective; activation offload beside full on a GPU), attention kernel,
 sharding, offload, micro-batch, packing, fused loss, the optimizer step in backward (one
 GPU, no accumulation) — is always free.
 
@@ -254,9 +254,10 @@ class SearchSpace:
         elif offloads:
             offload = offloads[0]
         mb = int(trial.suggest_categorical("micro_batch", self.micro_batches()))
-        # none or full: selective checkpointing (--checkpointing selective) is estimated, exported
-        # and offered by the report's toggles, but not searched: with it the default 8 trials
-        # simulated 7 fitting plans and the main command took 34 s against its 20 s goal
+        # none or full, and under full op-level selective checkpointing (a switch, _switches): every
+        # k-th block (--checkpoint-every) is estimated, exported and offered by the report's toggles,
+        # but not searched: with it the default 8 trials simulated 7 fitting plans and the main
+        # command took 34 s against its 20 s goal
         ckpt = Checkpointing(trial.suggest_categorical("checkpointing", ["none", "full"]))
         attention = Attention(
             trial.suggest_categorical(
@@ -268,6 +269,8 @@ class SearchSpace:
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
         switches = self._switches(trial, precision, sharding, mb, ckpt)
+        if switches["checkpoint_ops"]:
+            ckpt = Checkpointing.SELECTIVE
         return Plan(
             precision=precision,
             optimizer=optimizer,
@@ -287,8 +290,14 @@ class SearchSpace:
         # activation offload beside checkpointing (torchtune's pairing): the block inputs go to
         # the host; alone it would move every saved tensor over PCIe. A CPU target has no host
         # apart from its memory.
+        # op-level selective checkpointing in place of full: every block checkpointed, its matmul and
+        # attention outputs kept (plan._op_checkpointing_problems: not beside FSDP's own checkpointing,
+        # MoE blocks or activation offload)
+        ops = False
+        if ckpt is Checkpointing.FULL and sharding is not Sharding.FSDP and not self.ctx.model.family.moe:
+            ops = bool(trial.suggest_categorical("checkpoint_ops", [False, True]))
         offload_acts = False
-        if ckpt is Checkpointing.FULL and self.ctx.cluster.gpu.kind == "cuda":
+        if ckpt is Checkpointing.FULL and not ops and self.ctx.cluster.gpu.kind == "cuda":
             offload_acts = bool(trial.suggest_categorical("offload_activations", [False, True]))
         # the step in backward where nothing accumulates or shards (plan._in_backward_problems)
         in_bwd = False
@@ -307,6 +316,7 @@ class SearchSpace:
             "fused_kernels": kernels,
             "offload_activations": offload_acts,
             "optimizer_in_backward": in_bwd,
+            "checkpoint_ops": ops,
         }
 
     def enumerate(self) -> Iterator[Plan]:
