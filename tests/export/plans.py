@@ -59,7 +59,8 @@ def sweep(ctx: Target) -> Iterator[Plan]:
             micro_batch=mb,
             grad_accum=max(1, ctx.workload.global_batch // (mb * world)),
             checkpointing=[Checkpointing.NONE, Checkpointing.FULL, Checkpointing.SELECTIVE][i % 3],
-            checkpoint_every=2 if i % 3 == 2 else None,
+            checkpoint_every=2 if i % 6 == 2 else None,  # selective: every second block, or op-level
+            checkpoint_ops=i % 6 == 5,
             attention=attention,
             sharding=sharding,
             offload=offload,

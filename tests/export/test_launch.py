@@ -121,6 +121,7 @@ def test_one_process_applies_what_the_trainer_has_no_switch_for(tmp_path, local_
 @pytest.mark.slow
 def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path, local_model):
     plan = dict(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", attention="sdpa")
+    plan.update(checkpointing="selective", checkpoint_ops=True)
     out, result = _launch(tmp_path, local_model, "2xA10", 8, **plan)
     reduce_bucket = deepspeed_buckets(resolve_model(str(local_model)))["reduce_bucket_size"]
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -131,6 +132,7 @@ def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path, local_model
         assert (e["zero_stage"], e["train_batch_size"], e["micro_batch"], e["grad_accum"]) == (2, 8, 2, 2)
         assert e["zero_optimizer"] == "DeepSpeedZeroOptimizer" and e["inner_optimizer"] == "AdamW"
         assert e["reduce_bucket_size"] == reduce_bucket
+        assert r["checkpointed_layers"] == [0, 1] and any("op-level" in a for a in r["applied"])
     assert result["got"]["world_size"] == 2 and result["got"]["steps"] == 3
     assert (out / "out" / "model.safetensors").exists()
 

@@ -103,7 +103,10 @@ def check(plan, ctx, args, tmp_path, cache) -> None:
     assert args["fused_kernels"]["enabled"] is plan.fused_kernels
     sc = args["selective_checkpointing"]
     assert sc["enabled"] is (plan.checkpointing is Checkpointing.SELECTIVE)
-    if sc["enabled"]:  # the script's own flags: Trainer.train would switch every block on
+    if sc["enabled"] and plan.checkpoint_ops:  # every block, under the op-level policy the script sets
+        assert not targs.gradient_checkpointing and sc["policy"] == "ops"
+        assert sc["layers"] == list(range(ctx.model.num_layers)) and "op_checkpoint_contexts" in sc["how"]
+    elif sc["enabled"]:  # the script's own flags: Trainer.train would switch every block on
         assert not targs.gradient_checkpointing and sc["every"] == plan.checkpoint_every
         assert sc["layers"] == list(range(plan.checkpoint_every - 1, ctx.model.num_layers, plan.checkpoint_every))
     assert args["activation_offloading"]["enabled"] is plan.offload_activations

@@ -24,6 +24,7 @@ def test_fixed_trial_gives_the_plan():
                 "offload_zero2": "none",
                 "micro_batch": 4,
                 "checkpointing": "full",
+                "checkpoint_ops": False,
                 "offload_activations": True,
                 "attention": "flash2",
                 "fused_loss": True,
@@ -33,6 +34,16 @@ def test_fixed_trial_gives_the_plan():
     )
     assert plan.method is Method.QLORA and plan.micro_batch == 4 and plan.grad_accum == 2
     assert plan.sharding is Sharding.ZERO2 and plan.fused_loss and plan.offload_activations and plan.fused_kernels
+
+
+def test_op_level_checkpointing_is_searched_in_place_of_full():
+    """Under full checkpointing the space asks whether to checkpoint op by op instead; never
+    beside FSDP (its own checkpointing), activation offload, or an MoE block."""
+    plans = list(space().enumerate())
+    ops = [p for p in plans if p.checkpoint_ops]
+    assert ops and all(p.checkpointing.value == "selective" and p.checkpoint_every is None for p in ops)
+    assert not any(p.sharding is Sharding.FSDP or p.offload_activations for p in ops)
+    assert not any(p.checkpoint_ops for p in space("mixtral-8x7b", "8xH100").enumerate())
 
 
 @pytest.mark.parametrize(
