@@ -409,10 +409,8 @@ def _checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
     model checkpoint its own layers."""
     k = plan.checkpoint_every
     if plan.checkpointing is not Checkpointing.SELECTIVE:
-        flags = [
-            f for f, on in (("--checkpoint-every", k is not None), ("--checkpoint-ops", plan.checkpoint_ops)) if on
-        ]
-        return [f"{f} applies only to --checkpointing selective; drop it" for f in flags]
+        flags = (("--checkpoint-every", k is not None), ("--checkpoint-ops", plan.checkpoint_ops))
+        return [f"{f} applies only to --checkpointing selective; drop it" for f, on in flags if on]
     p = []
     if k is None and not plan.checkpoint_ops:
         p.append(

@@ -48,9 +48,7 @@ def checkpointed_layers(plan: Plan, num_layers: int) -> tuple[bool, ...]:
     selective, which recomputes part of each), none, or every ``checkpoint_every``-th counting
     from one (torchtitan's layer-selective rule in ``torchtitan/distributed/activation_checkpoint.py``
     before it kept only the op-level one: layers k-1, 2k-1, ...)."""
-    if plan.checkpointing is Checkpointing.FULL or (
-        plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_ops
-    ):
+    if all_checkpointed(plan):
         return (True,) * num_layers
     if plan.checkpointing is Checkpointing.SELECTIVE and plan.checkpoint_every:
         return tuple((i + 1) % plan.checkpoint_every == 0 for i in range(num_layers))

@@ -563,7 +563,6 @@ def _block_summary(
     )
 
 
-@functools.lru_cache(maxsize=4096)
 def _sac_kernel(model: ModelSpec, plan: Plan, sdpa: str) -> str:
     """The attention a block runs, as op-level checkpointing sees it: ``eager`` (its matmuls),
     ``alibi`` (BLOOM's baddbmm and bmm), ``math`` (sdpa's math kernel, decomposed into matmuls in
@@ -586,7 +585,7 @@ def sac_saves(
     two GEMMs in ``_gemms`` order).
 
     A bias-free Linear is an ``mm`` (counted: every second one is recomputed), a Linear with a bias
-    an ``addmm`` (GPT-2's Conv1D too: always saved), each LoRA adapter two bias-free ``mm``
+    an ``addmm`` (GPT-2's Conv1D, which has biases, too: always saved), each LoRA adapter two bias-free ``mm``
     after its base Linear's (peft ``lora.Linear.forward``). Quantized base weights run as one
     bitsandbytes op that the policy does not save (``gemm_4bit``; on CUDA LLM.int8's int8 GEMM;
     the CPU's ``MatMul8bitFp`` dequantizes into a plain ``mm``). Attention (``_sac_kernel``): a
@@ -615,13 +614,14 @@ def sac_saves(
             md = 4 if attention == "math" else c
             quad += {"eager": a * c, "math": a * 4}.get(attention, 0)
             tok += qd * md + (4 * a if attention == "kernel" else 0)
-        has_bias = bias["out" if name == f.attn_out else part] or f.model_type == "gpt2"
+        has_bias = bias["out" if name == f.attn_out else part]
         base.append(matmul(o, not has_bias) if mm_base else True)
         if plan.is_peft and plan.lora_targets.covers(part):
             adapters += [matmul(r, True), matmul(o, True)]
     return tok, quad, tuple(base), tuple(adapters)
 
 
+@functools.lru_cache(maxsize=4096)
 def _head_activations(model: ModelSpec, plan: Plan, cpu: bool = False) -> float:
     """Bytes per token saved outside the blocks: embeddings, final norm, the head's input.
 
@@ -1183,17 +1183,7 @@ def step_work(
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
     attn_fwd = 4 * T * attended * model.q_dim * L
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
-    # what the recompute runs again: every GEMM and attention of a checkpointed block, or under
-    # op-level checkpointing the GEMMs its policy does not save (and BLOOM's scores)
-    recomputed = tuple((f, b, d, n * rc) for f, b, d, n in (*block, *adapters)) if rc else ()
-    attn_recompute = attn_fwd * rc
-    if plan.checkpoint_ops:
-        cpu = cluster.gpu.kind == "cpu"
-        kernel = sdpa_kernel(model, plan, _masked(model, plan, workload), cpu, cluster.gpu.compute_capability)
-        attention = _sac_kernel(model, plan, kernel if plan.attention is Attention.SDPA else "")
-        _, _, again, again_adapters = sac_saves(model, plan, cpu, attention)
-        recomputed = tuple(g for g, on in zip((*block, *adapters), (*again, *again_adapters), strict=True) if on)
-        attn_recompute = attn_fwd / 2 if attention == "alibi" else 0.0
+    recomputed, attn_recompute = _recomputed(plan, ctx, (*block, *adapters), rc, attn_fwd)
 
     # memory-bound traffic: activations written in forward and read in backward, their
     # gradients written and read (eager's s² tensors are in block_bytes); the logits path
@@ -1244,6 +1234,21 @@ def step_work(
         transfers=costs.transfer_work(plan, model, cluster, sb, offloaded),
         model_flops=plan.grad_accum * model_flops,
     )
+
+
+def _recomputed(plan: Plan, ctx: Target, gemms: tuple[Gemm, ...], rc: float, attn_fwd: float):
+    """What a backward's recompute runs again: every GEMM (the blocks' and the adapters') and the
+    attention of the checkpointed share ``rc`` of the blocks, or under op-level checkpointing the
+    GEMMs its policy does not save (``sac_saves``) and no attention but BLOOM's scores."""
+    if not plan.checkpoint_ops:
+        return (tuple((f, b, d, n * rc) for f, b, d, n in gemms) if rc else ()), attn_fwd * rc
+    model, cluster = ctx.model, ctx.cluster
+    cpu = cluster.gpu.kind == "cpu"
+    kernel = sdpa_kernel(model, plan, _masked(model, plan, ctx.workload), cpu, cluster.gpu.compute_capability)
+    attention = _sac_kernel(model, plan, kernel if plan.attention is Attention.SDPA else "")
+    _, _, again, again_adapters = sac_saves(model, plan, cpu, attention)
+    recomputed = tuple(g for g, on in zip(gemms, (*again, *again_adapters), strict=True) if on)
+    return recomputed, attn_fwd / 2 if attention == "alibi" else 0.0
 
 
 def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: int, q_fwd: int, q_bwd: int) -> tuple[int, int]:

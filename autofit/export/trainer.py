@@ -222,7 +222,7 @@ def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
     k = plan.checkpoint_every
     flag, kwargs = checkpointing_names()
     if plan.checkpoint_ops:
-        return _op_checkpointing(plan, ctx, flag, kwargs)
+        return _op_checkpointing(ctx, flag, kwargs)
     return {
         "enabled": True,
         "policy": "layers",
@@ -237,7 +237,7 @@ def _selective_checkpointing(plan: Plan, ctx: Target) -> dict[str, Any]:
     }
 
 
-def _op_checkpointing(plan: Plan, ctx: Target, flag: str, kwargs: str) -> dict[str, Any]:
+def _op_checkpointing(ctx: Target, flag: str, kwargs: str) -> dict[str, Any]:
     """Every block checkpointed under torchtitan's op-level policy: its ``context_fn`` is a function,
     which TrainingArguments' JSON checkpointing kwargs cannot carry, so the script enables it."""
     return {

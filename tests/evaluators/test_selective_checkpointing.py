@@ -34,7 +34,8 @@ def test_every_kth_block_counted_from_one():
 def test_the_plan_and_the_cli_say_what_selective_needs():
     spec, cluster, wl = tiny("llama-2-7b", layers=4), parse_cluster("2xA100"), Workload(global_batch=2)
     assert any(
-        "needs a policy: --checkpoint-every K" in p for p in plan_problems(Plan(checkpointing="selective"), spec, cluster, wl)
+        "needs a policy: --checkpoint-every K" in p
+        for p in plan_problems(Plan(checkpointing="selective"), spec, cluster, wl)
     )
     assert any("applies only to" in p for p in plan_problems(Plan(checkpoint_every=2), spec, cluster, wl))
     fsdp = Plan(checkpointing="selective", checkpoint_every=2, sharding="fsdp")
