@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The gpu-marked tests, then measured vs predicted on one CUDA GPU: 8 plans of a 1B model
-# (full / LoRA / QLoRA, checkpointing on and off, micro-batch 1 and 2), each a real short
+# The gpu-marked tests, then measured vs predicted on one CUDA GPU: 9 plans of a 1B model
+# (full / LoRA / QLoRA, checkpointing on, off and op-level, micro-batch 1 and 2), each a real short
 # run launched by the measured evaluator; the table goes to benchmarks/results/.
 #
 #   bash benchmarks/gpu_check.sh [MODEL] [SEQ_LEN]      (default: llama-3.2-1b 2048)

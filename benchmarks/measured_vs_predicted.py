@@ -11,8 +11,8 @@ database as a study each; the table printed (and written to ``--out``) gives, pe
 predicted/measured ratio. The target is the first local CUDA GPU (``1x<its catalog name>``);
 ``--gpus 1xcpu --cpu-mem-budget 8GiB`` runs the same comparison on the CPU.
 
-Plans: full fine-tuning, LoRA and QLoRA, checkpointing on and off, micro-batch 1 and 2
-(eight plans; a 1B model at sequence 2048 takes well under a minute per plan on an H100).
+Plans: full fine-tuning, LoRA and QLoRA, checkpointing on and off (and once op-level), micro-batch 1
+and 2 (nine plans; a 1B model at sequence 2048 takes well under a minute per plan on an H100).
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ GiB = 2**30
 def plans(global_batch: int) -> list[Plan]:
     def p(method: str, mb: int, ckpt: str) -> Plan:
         peft = {"lora_rank": 16} if method != "full" else {}
+        ops = ckpt == "ops"  # op-level selective checkpointing (torchtitan's SelectiveAC)
         return Plan(
             method=method,
             precision="bf16-mixed",
             micro_batch=mb,
             grad_accum=global_batch // mb,
-            checkpointing=ckpt,
+            checkpointing="selective" if ops else ckpt,
+            checkpoint_ops=ops,
             attention="sdpa",
             **peft,
         )
@@ -49,6 +51,7 @@ def plans(global_batch: int) -> list[Plan]:
     return [
         p("full", 1, "full"),
         p("full", 2, "full"),
+        p("full", 2, "ops"),
         p("lora", 1, "none"),
         p("lora", 2, "none"),
         p("lora", 2, "full"),
