@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autofit.evaluators import costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
@@ -53,10 +53,10 @@ class _Block:
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
     recompute_cut: float = 0.0
-    # what a checkpointed block keeps through forward, per token and per token per attended
-    # position: its input, and under op-level checkpointing the outputs its policy saves (``sac_saves``)
-    kept_tok: float = 0.0
-    kept_quad: float = 0.0
+    # what op-level checkpointing's policy saves of a checkpointed block beside its input, per
+    # token and per token per attended position (``sac_saves``; 0 under any other checkpointing)
+    sac_tok: float = 0.0
+    sac_quad: float = 0.0
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -491,22 +491,15 @@ def block_activations(
         down, prod, norm_out = _parallel_mlp(s, model, ln1)
     else:
         down, prod, norm_out = _plain_mlp(s, model)
-    kept = (s.r * s.h, 0.0)
+    blk = _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
     if plan.checkpoint_ops:
         tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
-        kept = (s.r * s.h + tok, quad)
-    return _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out, kept)
+        blk = replace(blk, sac_tok=tok, sac_quad=quad)
+    return blk
 
 
 def _block_summary(
-    s: _Saves,
-    model: ModelSpec,
-    math: bool,
-    before_mlp: float,
-    down: str,
-    prod: str,
-    norm_out: str,
-    kept: tuple[float, float],
+    s: _Saves, model: ModelSpec, math: bool, before_mlp: float, down: str, prod: str, norm_out: str
 ) -> _Block:
     """The block's saves and the transients around them (measured on the CPU)."""
     f, plan, saved, r, c, h = s.f, s.plan, s.saved, s.r, s.c, s.h
@@ -559,7 +552,6 @@ def _block_summary(
         mlp_fwd_tok,
         held_tok,
         cut,
-        *kept,
     )
 
 
@@ -764,13 +756,13 @@ def _activations(
     head = t_mem * _head_activations(model, plan, ctx.cluster.gpu.kind == "cpu")
     flags = checkpointed_layers(plan, L)
     n_ckpt = sum(flags)
-    # a checkpointed block keeps its input (and what LLM.int8 holds), the others their saves
+    # a checkpointed block keeps its input (and what LLM.int8 holds, and what op-level
+    # checkpointing saves), the others their saves
     held = t_mem * blk.held_tok
-    kept = t_mem * (blk.kept_tok + s * blk.kept_quad)
-    saved_blocks = n_ckpt * (kept + held) + (L - n_ckpt) * block_bytes
-    # op-level checkpointing's saved outputs (beyond the input): its recompute takes them back
-    # instead of computing them (they are among the block's saves then), and its forward makes them
-    sac = kept - t_mem * lay.base_bytes * model.hidden_size
+    # op-level checkpointing's saved outputs: its recompute takes them back instead of computing
+    # them (they are among the block's saves then), and its forward makes them
+    sac = t_mem * (blk.sac_tok + s * blk.sac_quad)
+    saved_blocks = n_ckpt * (t_mem * lay.base_bytes * model.hidden_size + sac + held) + (L - n_ckpt) * block_bytes
     if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
         saved_blocks -= t_mem * blk.first_norm
     recompute = block_bytes - sac if n_ckpt else 0.0  # one block's activations while it runs backward
