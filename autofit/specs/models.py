@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -527,10 +528,15 @@ class ModelSpec:
     source: str = ""  # hub id or path the fields came from
     # further transformers config kwargs that matter to build the exact model
     hf_extra: tuple[tuple[str, Any], ...] = ()
+    # a model type no family describes, as its modules describe it (``specs/derive.py``): the
+    # Family fields, and the block's Linear layers and parameter counts as transformers builds them
+    derived: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
-        if not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
+        if self.derived:
+            pass
+        elif not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
             problems.append(
                 f"model type {self.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
             )
@@ -580,7 +586,19 @@ class ModelSpec:
 
     @property
     def family(self) -> Family:
+        if self.derived:
+            return _derived_family(self.derived)
         return FAMILIES[self.model_type]
+
+    @property
+    def analytic_gap(self) -> str:
+        """Why the analytic evaluator's block formulas do not describe this model ("" where they
+        do): a derived block its formulas cannot reproduce (``specs/derive.py``)."""
+        return str(dict(self.derived).get("analytic", "")) if self.derived else ""
+
+    def _counted(self, key: str):
+        """A derived spec's count or layer list as transformers built it (None: use the formulas)."""
+        return dict(self.derived).get(key) if self.derived else None
 
     @property
     def rotary_fraction(self) -> float:
@@ -669,6 +687,8 @@ class ModelSpec:
 
     # -- parameter counts -------------------------------------------------------------
     def embedding_params(self) -> int:
+        if self._counted("params"):
+            return self._counted("params")[0]
         f, h = self.family, self.hidden_size
         n = self.vocab_size * h
         if f.positions == "learned":
@@ -678,6 +698,8 @@ class ModelSpec:
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
+        if self._counted("params"):
+            return self._counted("params")[1]
         f, h, i = self.family, self.hidden_size, self.intermediate_size
         n = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if f.qkv_bias:
@@ -698,6 +720,8 @@ class ModelSpec:
 
     def head_params(self) -> int:
         """Final norm + output head (zero extra weights when tied)."""
+        if self._counted("params"):
+            return self._counted("params")[2]
         f, h = self.family, self.hidden_size
         n = (h if f.norm == "rmsnorm" else 2 * h) if f.final_norm else 0
         if f.task == "masked-lm":
@@ -716,8 +740,10 @@ class ModelSpec:
 
         ``part`` is ``attention`` or ``mlp``: what LoRA's ``attention`` targets select.
         Fused projections (phi3 ``qkv_proj``/``gate_up_proj``, gpt2 ``c_attn``) are one
-        Linear, as PEFT and bitsandbytes see them.
+        Linear, as PEFT and bitsandbytes see them. A derived spec lists its block's own.
         """
+        if self._counted("linears"):
+            return list(self._counted("linears"))
         f, h, i = self.family, self.hidden_size, self.intermediate_size
         if f.fused_qkv:
             qkv = [(f.attn_in[0], h, self.q_dim + 2 * self.kv_dim)]
@@ -778,6 +804,10 @@ class ModelSpec:
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["hf_extra"] = dict(self.hf_extra)
+        if self.derived:
+            d["derived"] = dict(self.derived)
+        else:  # left out at its default, so registered specs keep their fingerprints
+            d.pop("derived")
         return d
 
     @classmethod
@@ -785,6 +815,7 @@ class ModelSpec:
         """The inverse of :meth:`as_dict`, also after a JSON round trip (lists back to tuples)."""
         kw = dict(d)
         kw["hf_extra"] = tuple((k, _tuples(v)) for k, v in (kw.get("hf_extra") or {}).items())
+        kw["derived"] = tuple((k, _tuples(v)) for k, v in (kw.get("derived") or {}).items())
         return cls(**kw)
 
     @property
@@ -805,6 +836,8 @@ class ModelSpec:
         name = overrides.pop("name", None)
         if name is None:
             name = self.name + "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        if self.derived:  # its counts come from the built model: build the resized one
+            return _derived_variant(self, name, overrides)
         if "num_heads" in overrides and "num_kv_heads" not in overrides:
             overrides["num_kv_heads"] = min(self.num_kv_heads, overrides["num_heads"])
         model_type = overrides.get("model_type", self.model_type)
@@ -839,15 +872,14 @@ class ModelSpec:
         """The transformers config of this architecture (imports transformers)."""
         import transformers
 
+        if self.derived:
+            return _derived_config(self)
         cls = getattr(transformers, self.family.hf_config)
         cfg = cls(**self.hf_config_kwargs())
         inner = self.family.keys.get("intermediate_size")
         if inner:  # GPT-2's n_inner: null would mean 4·hidden
             setattr(cfg, inner, self.intermediate_size)
-        for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(cfg, attr, None)
-            if isinstance(value, int) and value >= self.vocab_size:  # a resized vocab (tiny variants)
-                setattr(cfg, attr, None)
+        _drop_ids_past_vocab(cfg, self.vocab_size)
         return cfg
 
     @classmethod
@@ -860,6 +892,8 @@ class ModelSpec:
         """
         d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
         where = f"model config {source or name or 'given'!r}"
+        if isinstance(d.get("model_type"), str) and d["model_type"] not in FAMILIES:
+            return _derived_spec(cfg, name, source, where)
         f = _config_family(d, where)
         missing = [
             f.keys.get(k, k)
@@ -1039,6 +1073,153 @@ def _config_rope_scaling(d: Mapping[str, Any], f: Family, where: str) -> tuple[t
     # as sorted pairs (a spec is hashable); the family's rotary_key holds a partial rotary factor
     kept = {**{k: _tuples(v) for k, v in rope.items() if k not in ("partial_rotary_factor", "type")}, "rope_type": kind}
     return (("rope_parameters", tuple(sorted(kept.items()))),)
+
+
+# -- model types no family describes (specs/derive.py) -------------------------------------
+_CORE = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelSpec:
+    """A spec of a model type no family describes, from the model transformers builds of it."""
+    from autofit.specs import derive
+
+    d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
+    model_type = d["model_type"]
+    try:
+        cls = derive.config_class(model_type)
+        if isinstance(cfg, Mapping):
+            with _quiet_logger("transformers"):
+                cfg = cls.from_dict(dict(cfg))
+        core = derive.core_fields(cfg)
+        missing = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size") if core[k] is None]
+        if missing:
+            raise SpecError(
+                f"a {model_type} config has no {', '.join(missing)}: autofit models transformer decoders "
+                "(attention and MLP blocks), and this is not one"
+            )
+        built = derive.derive(cfg)
+    except SpecError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a config its own class refuses is the user's to fix
+        raise SpecError(f"{where}: transformers cannot read it as a {model_type} config ({_first_line(exc)})") from None
+    extra = derive.extras(cfg)
+    mappings = tuple(sorted(k for k, v in extra.items() if isinstance(v, Mapping)))
+    family = tuple(sorted((k, _tuples(v)) for k, v in built.family.items()))
+    formula = ModelSpec(
+        name=name or source or model_type,
+        model_type=model_type,
+        **core,
+        source=source,
+        hf_extra=tuple(sorted((k, _frozen(v)) for k, v in extra.items())),
+        derived=(("family", family), ("mappings", mappings)),
+    )
+    gap = built.analytic or _formula_gap(formula, built)
+    counts = (("linears", built.linears), ("params", (built.embedding_params, built.layer_params, built.head_params)))
+    return dataclasses.replace(formula, n_params=0, derived=formula.derived + counts + (("analytic", gap),))
+
+
+def _formula_gap(formula: ModelSpec, built: Any) -> str:
+    """Where the family's formulas miss the built block: its parameters or its Linear layers ("" if nowhere)."""
+    try:
+        got = (formula.embedding_params(), formula.layer_params(), formula.head_params())
+        shapes = [(i, o) for _, i, o, _ in formula.linears()]
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return f"the block formulas cannot read it ({_first_line(exc)})"
+    want = (built.embedding_params, built.layer_params, built.head_params)
+    for what, a, b in zip(("embedding", "block", "head"), got, want):
+        if a != b:
+            return f"its {what} has {b:,} parameters where the block formulas give {a:,}"
+    if shapes != [(i, o) for _, i, o, _ in built.linears]:
+        return "its Linear layers are not the ones the block formulas list"
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _derived_family(derived: tuple[tuple[str, Any], ...]) -> Family:
+    return Family(**dict(dict(derived)["family"]))
+
+
+def _derived_config(spec: ModelSpec):
+    """The transformers config of a derived spec: its config class, its kept keys and its sizes."""
+    from autofit.specs import derive
+
+    f, mappings = spec.family, set(dict(spec.derived).get("mappings", ()))
+    kw = {k: (_thawed(v) if k in mappings else _lists(v)) for k, v in spec.hf_extra}
+    kw.update(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    if f.has_kv_heads_key:
+        kw["num_key_value_heads"] = spec.num_kv_heads
+    if f.has_head_dim_key:
+        kw["head_dim"] = spec.head_dim
+    with _quiet_logger("transformers"):
+        cfg = derive.config_class(spec.model_type)(**kw)
+    _drop_ids_past_vocab(cfg, spec.vocab_size)
+    return cfg
+
+
+def _derived_variant(spec: ModelSpec, name: str, overrides: dict[str, Any]) -> ModelSpec:
+    """A resized derived spec, re-read from the model its config builds. Per-layer lists of the
+    old depth (``layer_types``) are left for the config class to fill in for the new one."""
+    if "num_heads" in overrides and "num_kv_heads" not in overrides:
+        overrides["num_kv_heads"] = min(spec.num_kv_heads, overrides["num_heads"])
+    if not spec.family.has_head_dim_key and "head_dim" not in overrides:
+        heads = overrides.get("num_heads", spec.num_heads)
+        overrides["head_dim"] = overrides.get("hidden_size", spec.hidden_size) // heads
+    extra = spec.hf_extra
+    if overrides.get("num_layers", spec.num_layers) != spec.num_layers:
+        extra = tuple((k, v) for k, v in extra if not (isinstance(v, tuple) and len(v) == spec.num_layers))
+    resized = dataclasses.replace(spec, n_params=0, hf_extra=extra, derived=spec.derived[:2], **overrides)
+    return ModelSpec.from_hf_config(_derived_config(resized), name=name, source=spec.source)
+
+
+def _drop_ids_past_vocab(cfg: Any, vocab: int) -> None:
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value >= vocab:  # a resized vocab (tiny variants)
+            setattr(cfg, attr, None)
+
+
+def _frozen(value: Any) -> Any:
+    """A config value as a spec keeps it (hashable): lists as tuples, objects as sorted pairs."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    """The inverse of :func:`_frozen` for a value that was a JSON object."""
+    return {k: _thawed(v) if _is_pairs(v) else _lists(v) for k, v in value}
+
+
+def _is_pairs(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and bool(value)
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in value)
+    )
+
+
+def _lists(value: Any) -> Any:
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _is_number(value: Any) -> bool:

@@ -112,7 +112,7 @@ CASES = [
     ("misspelled model", EST + ["-m", "mistrl-7b", "-g", "1xA10"], "unknown model"),
     ("hub id offline", EST + ["-m", "nobody/no-such-model", "-g", "1xA10"], "cannot fetch the config of hub id"),
     ("config without fields", EST + ["-m", "{d}/nofields", "-g", "1xA10"], "lacks the fields"),
-    ("unsupported model type", EST + ["-m", "{d}/mamba.json", "-g", "1xA10"], "not supported"),
+    ("not a transformer", EST + ["-m", "{d}/mamba.json", "-g", "1xA10"], "has no attention module"),
     ("unknown GPU", EST + [*GPT2, "-g", "1xB300"], "unknown GPU"),
     ("zero GPUs", EST + [*GPT2, "-g", "0xA10"], "at least 1"),
     ("negative GPUs", EST + [*GPT2, "-g", "-1xA10"], "at least 1"),

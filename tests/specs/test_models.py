@@ -237,10 +237,17 @@ def test_config_without_the_needed_fields_is_a_clear_error(tmp_path):
         resolve_model(str(path))
 
 
-def test_unsupported_model_type(tmp_path):
+def test_a_model_type_that_is_no_transformer_decoder_is_refused(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
-    with pytest.raises(SpecError, match="not supported"):
+    with pytest.raises(SpecError, match="mamba config has no num_heads: autofit models transformer decoders"):
+        resolve_model(str(path))
+
+
+def test_a_model_type_transformers_does_not_implement_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "internlm2", "hidden_size": 8}))
+    with pytest.raises(SpecError, match="'internlm2' is not one transformers implements.*no remote code"):
         resolve_model(str(path))
 
 

@@ -1,0 +1,572 @@
+"""The block of a model type no family describes, read from the model transformers builds.
+
+``FAMILIES`` describes the block shapes autofit was written against. Any other causal LM that
+transformers implements natively is described here from its config: the model is built on the
+``meta`` device (no memory), its first decoder layer is read as data (its Linear layers with
+their names, shapes and biases, its norms, its parameter counts), and one forward pass on fake
+tensors (``torch._subclasses.FakeTensorMode``: shapes only, no arithmetic) records the order in
+which the block calls its norms, attention and MLP, and what each reads. The result is a
+:class:`Derived`: the exact parameter counts and Linear layers the simulated and measured
+evaluators and the exports need, and the best :class:`~autofit.specs.models.Family` the fields
+can say. Where that family's formulas reproduce the block's parameters and the block is one
+the analytic evaluator's formulas describe (``common``), the analytic evaluator reads it as it
+reads a registered family; otherwise ``analytic`` says why not, and the analytic evaluator
+takes the block's saved tensors from a trace of it (``evaluators/traced.py``).
+
+Imports torch and transformers lazily, as ``ModelSpec.to_hf_config`` imports transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autofit.errors import SpecError
+
+# the activations whose saves the analytic evaluator knows (``analytic._gated_mlp``,
+# ``analytic._mlp_body``): gelu_pytorch_tanh is torch's one tanh-GELU op, which saves its
+# input as exact GELU does (``torch/csrc/autograd/FunctionsManual.cpp`` gelu_backward)
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+PLAIN_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+# where configs name the MLP's activation (Gemma's hidden_activation overrides its hidden_act)
+ACTIVATION_KEYS = ("hidden_activation", "hidden_act", "activation_function", "activation")
+# where configs set a dropout probability
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "residual_dropout",
+    "embedding_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "dropout",
+)
+# config keys whose presence makes a block a mixture of experts (routing is data-dependent)
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+# config keys kept out of a derived spec's ``hf_extra``: its own fields, and what does not build the model
+_NOT_EXTRA = frozenset(
+    (
+        "model_type",
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "auto_map",
+        "quantization_config",
+        "_attn_implementation_autoset",
+    )
+)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What a model type's modules say of its block (see the module doc)."""
+
+    family: dict[str, Any]  # the Family fields
+    linears: tuple[tuple[str, int, int, str], ...]  # (name in the block, in, out, "attention"/"mlp")
+    embedding_params: int  # everything before the blocks (embeddings, their norm, positions)
+    layer_params: int
+    head_params: int  # final norm and an untied head
+    analytic: str  # "" where the analytic formulas describe the block; else why not
+
+
+def core_fields(cfg: Any) -> dict[str, Any]:
+    """A config's size fields under ModelSpec's names (``attribute_map`` resolves GPT-2's ``n_embd``)."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and heads else None)
+    return {
+        "hidden_size": hidden,
+        "num_layers": getattr(cfg, "num_hidden_layers", None),
+        "num_heads": heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "intermediate_size": getattr(cfg, "intermediate_size", None) or 4 * (hidden or 0),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None) or 2048,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+    }
+
+
+def config_class(model_type: str):
+    """transformers' config class of a native causal LM, or a SpecError saying why not."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING:
+        raise SpecError(
+            f"model type {model_type!r} is not one transformers implements; autofit reads only native "
+            "transformers architectures (no remote code)"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise SpecError(
+            f"model type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM); "
+            "autofit trains causal LMs (and BERT's masked LM)"
+        )
+    return CONFIG_MAPPING[model_type]
+
+
+def extras(cfg: Any) -> dict[str, Any]:
+    """The config keys beyond the size fields, as ``hf_extra`` keeps them to rebuild the model."""
+    d = cfg.to_diff_dict() if hasattr(cfg, "to_diff_dict") else dict(cfg)
+    names = set(getattr(cfg, "attribute_map", {}).values()) | set(_SIZE_KEYS)
+    return {k: v for k, v in d.items() if k not in _NOT_EXTRA and k not in names and not k.startswith("_")}
+
+
+_SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def derive(cfg: Any) -> Derived:
+    """Read the block of the model ``cfg`` builds (a transformers config object)."""
+    model_type = cfg.model_type
+    moe = [k for k in MOE_KEYS if getattr(cfg, k, None)]
+    if moe:
+        raise SpecError(
+            f"model type {model_type!r} is a mixture of experts ({moe[0]} = {getattr(cfg, moe[0])}) that autofit "
+            "has no routing assumption for: fake tensors cannot follow a router, so autofit models the routed "
+            "families it states one for (mixtral, qwen2_moe, qwen3_moe)"
+        )
+    model = _build(cfg)
+    layers = _decoder_layers(model, cfg)
+    block = layers[0]
+    attn, mlp = _child(block, "attention", ("attention", "attn")), _child(block, "MLP", ("mlp", "feedforward"))
+    if attn[1] is None:
+        raise SpecError(
+            f"{model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
+            "transformer decoders (attention and MLP blocks), and this is not one"
+        )
+    lin = _linears(block, attn)
+    layer_params = sum(p.numel() for p in block.parameters())
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    final = _final_norm(model, layers)
+    head_params = sum(p.numel() for p in final.parameters()) if final is not None else 0
+    if head is not None:
+        head_params += sum(p.numel() for n, p in head.named_parameters() if not (tied and n == "weight"))
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
+    trace = _trace(model, block, attn, mlp)
+    fam, why = _family(cfg, model, block, attn, mlp, lin, trace, final is not None, probes)
+    emb = total - len(layers) * layer_params - head_params
+    return Derived(fam, tuple(x[:4] for x in lin), emb, layer_params, head_params, why)
+
+
+@contextlib.contextmanager
+def _quiet():
+    # transformers' config warnings, and fake_tensor's traceback of an op that fails (reported in one line)
+    loggers = [logging.getLogger(n) for n in ("transformers", "torch._subclasses.fake_tensor")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def _build(cfg: Any):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg.use_cache = False
+    cfg._attn_implementation = "eager"
+    try:
+        with _quiet(), torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:  # noqa: BLE001 - a config its own class cannot build is the user's to fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecError(f"transformers cannot build a {cfg.model_type} model from this config: {first[:200]}") from None
+
+
+def _decoder_layers(model, cfg: Any) -> list:
+    """The ModuleList of ``num_hidden_layers`` blocks; refused where they are not all one class."""
+    import torch
+
+    n = cfg.num_hidden_layers
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    if not lists:
+        raise SpecError(f"found no list of {n} decoder layers in transformers' {cfg.model_type} model")
+    layers = list(lists[0])
+    kinds = sorted({type(b).__name__ for b in layers})
+    if len(kinds) > 1:
+        raise SpecError(
+            f"{cfg.model_type} stacks layers of {len(kinds)} kinds ({', '.join(kinds)}); autofit models "
+            "models whose decoder layers are all one block"
+        )
+    counts = {sum(p.numel() for p in b.parameters()) for b in layers}
+    if len(counts) > 1:
+        raise SpecError(
+            f"{cfg.model_type}'s {kinds[0]} layers differ in size ({', '.join(f'{c:,}' for c in sorted(counts))} "
+            "parameters); autofit models models whose decoder layers are all alike"
+        )
+    return layers
+
+
+def _child(block, cls_word: str, names: tuple[str, ...]):
+    """The block's direct child for attention or the MLP: by class name, else by attribute name."""
+    for name, child in block.named_children():
+        if cls_word.lower() in type(child).__name__.lower():
+            return name, child
+    for name, child in block.named_children():
+        if any(w in name.replace("_", "").lower() for w in names):
+            return name, child
+    return None, None
+
+
+def _linears(block, attn) -> list[tuple[str, int, int, str, bool]]:
+    """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order."""
+    import torch
+
+    out = []
+    for name, m in block.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            i, o = m.in_features, m.out_features
+        elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            i, o = m.weight.shape
+        else:
+            continue
+        part = "attention" if attn[0] and (name == attn[0] or name.startswith(attn[0] + ".")) else "mlp"
+        out.append((name, int(i), int(o), part, getattr(m, "bias", None) is not None))
+    return out
+
+
+def _final_norm(model, layers):
+    """The norm after the last block (``model.norm``, ``ln_f``): the last parameterized module
+    outside the blocks and the head, when its class is a norm."""
+    inside = {id(m) for b in layers for m in b.modules()}
+    head = model.get_output_embeddings()
+    skip = inside | ({id(m) for m in head.modules()} if head is not None else set())
+    last = None
+    for m in model.modules():
+        if id(m) not in skip and not list(m.children()) and any(True for _ in m.parameters(recurse=False)):
+            last = m
+    return last if last is not None and "norm" in type(last).__name__.lower() else None
+
+
+@dataclass(frozen=True)
+class _Trace:
+    order: tuple[str, ...]  # the block's children (and its attention's norms) in call order
+    reads_input: frozenset[str]  # those whose first argument is the block's input
+    reads: Mapping[str, str]  # child -> the child whose output it reads ("" when none)
+
+
+def _trace(model, block, attn, mlp) -> _Trace:
+    """One forward on fake tensors, recording the order in which the first block calls its
+    children and the tensors they read (identity of fake tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _fake_tensors(model, mode)
+    order: list[str] = []
+    inputs: dict[str, int] = {}
+    outputs: dict[int, str] = {}
+    block_in: list[int] = []
+    watched = dict(block.named_children())
+    if attn[1] is not None:
+        watched.update({f"{attn[0]}.{n}": m for n, m in attn[1].named_children() if "norm" in n.lower()})
+
+    def first(args, kwargs):
+        t = args[0] if args else kwargs.get("hidden_states")
+        return id(t) if isinstance(t, torch.Tensor) else 0
+
+    def reads(name: str):
+        def hook(module, args, kwargs) -> None:
+            if name:
+                inputs.setdefault(name, first(args, kwargs))
+            else:
+                block_in.append(first(args, kwargs))
+
+        return hook
+
+    def wrote(name: str):
+        def hook(module, args, out) -> None:
+            _record(name, out, order, outputs)
+
+        return hook
+
+    hooks = [block.register_forward_pre_hook(reads(""), with_kwargs=True)]
+    for name, m in watched.items():
+        hooks.append(m.register_forward_pre_hook(reads(name), with_kwargs=True))
+        hooks.append(m.register_forward_hook(wrote(name)))
+    try:
+        with _quiet(), mode:
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    except Exception as exc:  # noqa: BLE001 - a model the tracer cannot run is reported, not crashed on
+        raise SpecError(
+            f"cannot trace transformers' {type(model).__name__} on fake tensors ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); autofit cannot model it"
+        ) from None
+    finally:
+        for h in hooks:
+            h.remove()
+    reads = {n: outputs.get(i, "") for n, i in inputs.items()}
+    return _Trace(tuple(order), frozenset(n for n, i in inputs.items() if block_in and i == block_in[0]), reads)
+
+
+def _record(name: str, out, order: list[str], outputs: dict[int, str]) -> None:
+    if name in order:
+        return
+    order.append(name)
+    t = out[0] if isinstance(out, tuple) else out
+    outputs[id(t)] = name
+
+
+def _fake_tensors(model, mode) -> None:
+    """Swap the meta model's parameters and buffers for fake tensors, keeping ties (as
+    ``evaluators.runtime.to_fake`` does for the simulator, without its quantization)."""
+    import torch
+
+    memo: dict[int, Any] = {}
+
+    def fake(t):
+        if id(t) not in memo:
+            with mode:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return memo[id(t)]
+
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                key = ("p", id(p))
+                if key not in memo:
+                    memo[key] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                m._parameters[name] = memo[key]
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = fake(b)
+        for name, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device.type == "meta":
+                setattr(m, name, fake(v))
+
+
+def _family(
+    cfg: Any, model, block, attn, mlp, lin, trace: _Trace, final_norm: bool, probes: Mapping[str, bool]
+) -> tuple[dict[str, Any], str]:
+    """The Family fields the block's modules and call order give, and why the analytic
+    formulas do not describe it ("" where they do)."""
+    core = core_fields(cfg)
+    why: list[str] = []
+    norms = [n for n in trace.order if "." not in n and "norm" in type(getattr(block, n)).__name__.lower()]
+    shape, norm_position, parallel = _block_order(trace, norms, attn[0], mlp[0], why)
+    norm = _norm_kind([getattr(block, n) for n in norms], core["hidden_size"], why)
+    fp32_scales = any(probes.get(n, False) for n in norms)
+    heads = [n for n in trace.order if "." in n]
+    qk_norm = bool(heads)
+    if heads and any(sum(p.numel() for p in _module(block, n).parameters()) != core["head_dim"] for n in heads):
+        why.append("it norms q and k over more than one head")
+    attention, mlp_part = _projections(lin, core, why)
+    activation = next((getattr(cfg, k) for k in ACTIVATION_KEYS if getattr(cfg, k, None)), "")
+    gated = len(mlp_part["in"]) == 2 or mlp_part.get("fused_gate", False)
+    known = GATED_ACTIVATIONS if gated else PLAIN_ACTIVATIONS
+    if activation not in known:
+        why.append(f"its MLP's activation {activation!r} is not one the formulas know ({', '.join(known)})")
+    positions = _positions(cfg, model, core, why)
+    for key in DROPOUT_KEYS:
+        p = getattr(cfg, key, None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            why.append(f"it trains with dropout ({key} = {p})")
+    scaled = [
+        k
+        for k, v in vars(cfg).items()
+        if (k.endswith("_multiplier") or k in ("logits_scaling", "logit_scale"))
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v != 1
+    ]
+    if scaled:
+        why.append(f"it scales its tensors by {', '.join(sorted(scaled))}")
+    head = model.get_output_embeddings()
+    emb = model.get_input_embeddings()
+    rotary = _rotary_fraction(cfg)
+    fam = dict(
+        model_type=cfg.model_type,
+        hf_config=type(cfg).__name__,
+        decoder_layer=type(block).__name__,
+        task="causal-lm",
+        gated_mlp=gated,
+        norm=norm,
+        norms_per_layer=len(norms),
+        final_norm=final_norm,
+        qkv_bias=attention["qkv_bias"],
+        out_bias=attention["out_bias"],
+        mlp_bias=mlp_part["bias"],
+        positions=positions,
+        attn_impls=tuple(
+            k
+            for k, ok in (("eager", True), ("sdpa", model._supports_sdpa), ("flash2", model._supports_flash_attn))
+            if ok
+        ),
+        dropout=False,
+        attn_in=attention["in"],
+        attn_out=attention["out"],
+        mlp_in=mlp_part["in"],
+        mlp_out=mlp_part["out"],
+        activation=activation if isinstance(activation, str) else "",
+        norm_position=norm_position,
+        norm_scales_in_fp32=fp32_scales,
+        embed_scale=hasattr(emb, "embed_scale") or "scaled" in type(emb).__name__.lower(),
+        logit_softcap=bool(
+            getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None)
+        ),
+        has_head_dim_key=hasattr(cfg, "head_dim"),
+        has_kv_heads_key=hasattr(cfg, "num_key_value_heads"),
+        parallel_residual=parallel,
+        head_bias=head is not None and getattr(head, "bias", None) is not None,
+        rotary_key="partial_rotary_factor" if rotary < 1 else "",
+        rotary_default=rotary,
+        qk_norm=qk_norm,
+    )
+    if not shape:
+        fam["norm_position"] = "pre"
+    return fam, "; ".join(why)
+
+
+def _module(block, dotted: str):
+    m = block
+    for part in dotted.split("."):
+        m = getattr(m, part)
+    return m
+
+
+def _block_order(trace: _Trace, norms: list[str], attn: str | None, mlp: str | None, why: list[str]):
+    """``(recognized, norm_position, parallel_residual)`` from the block's call order: pre-norm
+    (llama, GPT-2), parallel off one norm (phi) or two (gpt_neox), or sandwich (Gemma-2)."""
+    if attn is None or mlp is None:
+        why.append("its block has no attention or no MLP child the formulas can find")
+        return False, "pre", False
+    kinds = {attn: "A", mlp: "M", **{n: "N" for n in norms}}
+    seq = "".join(kinds[n] for n in trace.order if n in kinds)
+    reads_attn = trace.reads.get(mlp, "")
+    if seq == "NANM" and norms[1] in trace.reads_input:  # gpt_neox: each branch its own norm of the input
+        return True, "pre", True
+    if seq == "NANM" and trace.reads.get(attn) == norms[0] and reads_attn == norms[1]:
+        return True, "pre", False
+    if seq == "NAM" and trace.reads.get(attn) == norms[0] and reads_attn == norms[0]:
+        return True, "pre", True
+    if seq == "NANNMN" and trace.reads.get(attn) == norms[0] and reads_attn == norms[2]:
+        return True, "sandwich", False
+    order = ", ".join({"A": "attention", "M": "MLP", "N": "norm"}[c] for c in seq)
+    why.append(f"its block runs {order} in an order the formulas do not describe")
+    return False, "pre", False
+
+
+def _norm_kind(norms: list, hidden: int, why: list[str]) -> str:
+    """``rmsnorm`` or ``layernorm``: a LayerNorm with weight and bias, or an RMSNorm with one weight."""
+    import torch
+
+    kinds = {type(n).__name__ for n in norms}
+    if len(kinds) != 1:
+        why.append(f"its norms are of {len(kinds)} kinds ({', '.join(sorted(kinds)) or 'none'})")
+        return "rmsnorm"
+    n = norms[0]
+    params = dict(n.named_parameters())
+    if isinstance(n, torch.nn.LayerNorm):
+        if set(params) != {"weight", "bias"} or params["weight"].numel() != hidden:
+            why.append("its LayerNorm has no weight and bias of the hidden size")
+        return "layernorm"
+    if "rms" not in type(n).__name__.lower() or set(params) != {"weight"} or params["weight"].numel() != hidden:
+        why.append(f"its norm {type(n).__name__} is neither a LayerNorm nor an RMSNorm with one weight")
+    return "rmsnorm"
+
+
+def _probe(norm) -> bool:
+    """Whether an RMSNorm scales by ``1 + weight`` (Gemma, in fp32), probed on a real copy of the
+    meta module: with a zero weight llama's returns zeros and Gemma's the normed input."""
+    import copy
+
+    import torch
+
+    weight = getattr(norm, "weight", None)
+    if isinstance(norm, torch.nn.LayerNorm) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    try:
+        probe = copy.deepcopy(norm).to_empty(device="cpu")
+        with torch.no_grad():
+            probe.weight.zero_()
+            out = probe(torch.randn(2, weight.numel()))
+    except Exception:  # noqa: BLE001 - a norm that cannot run alone is not Gemma's
+        return False
+    return bool(out.abs().sum() > 0)
+
+
+def _projections(lin, core: dict[str, Any], why: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The attention's q/k/v (or fused qkv) and output projections and the MLP's, by shape."""
+    h, qd, kd, inter = core["hidden_size"], core["num_heads"] * core["head_dim"], None, core["intermediate_size"]
+    kd = core["num_kv_heads"] * core["head_dim"]
+    att = [x for x in lin if x[3] == "attention"]
+    mlp = [x for x in lin if x[3] == "mlp"]
+    shapes = [(x[1], x[2]) for x in att]
+    attention: dict[str, Any] = {"in": tuple(n for n, *_ in att[:-1]), "out": att[-1][0] if att else ""}
+    if shapes not in ([(h, qd), (h, kd), (h, kd), (qd, h)], [(h, qd + 2 * kd), (qd, h)]):
+        why.append(f"its attention projections {shapes} are not q, k, v and out (or fused qkv and out)")
+    mshapes = [(x[1], x[2]) for x in mlp]
+    mlp_part: dict[str, Any] = {"in": tuple(n for n, *_ in mlp[:-1]), "out": mlp[-1][0] if mlp else ""}
+    if mshapes == [(h, 2 * inter), (inter, h)]:
+        mlp_part["fused_gate"] = True
+    elif mshapes not in ([(h, inter), (h, inter), (inter, h)], [(h, inter), (inter, h)]):
+        why.append(f"its MLP projections {mshapes} are not gate, up and down (or fc1 and fc2)")
+    attention["qkv_bias"], attention["out_bias"] = _biases(att, why, "attention")
+    mlp_part["bias"] = all(_biases(mlp, why, "MLP"))
+    return attention, mlp_part
+
+
+def _biases(layers, why: list[str], what: str) -> tuple[bool, bool]:
+    """Whether the input projections and the output projection have biases (each all or none)."""
+    flags = [x[4] for x in layers]
+    if not flags:
+        return False, False
+    ins, out = flags[:-1], flags[-1]
+    if len(set(ins)) > 1:
+        why.append(f"only some of its {what} input projections have biases")
+    return bool(ins and ins[0]), out
+
+
+def _positions(cfg: Any, model, core: dict[str, Any], why: list[str]) -> str:
+    """``rope`` (a rotary module and a rope config), ``learned`` (a table of positions), else why not."""
+    import torch
+
+    names = {type(m).__name__.lower() for m in model.modules()}
+    if any("rotary" in n for n in names) and (
+        getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None)
+    ):
+        return "rope"
+    emb = model.get_input_embeddings()
+    tables = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m is not emb and m.num_embeddings >= core["max_position_embeddings"]
+    ]
+    if tables:
+        if tables[0].num_embeddings != core["max_position_embeddings"]:
+            why.append(f"its position table has {tables[0].num_embeddings:,} rows, not max_position_embeddings")
+        return "learned"
+    why.append("it has neither rotary nor learned positions")
+    return "rope"
+
+
+def _rotary_fraction(cfg: Any) -> float:
+    frac = getattr(cfg, "partial_rotary_factor", None)
+    rope = getattr(cfg, "rope_parameters", None)
+    if frac is None and isinstance(rope, Mapping):
+        frac = rope.get("partial_rotary_factor")
+    return float(frac) if isinstance(frac, (int, float)) and 0 < frac <= 1 else 1.0
