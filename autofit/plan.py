@@ -442,6 +442,12 @@ def _op_checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
             f"--checkpoint-ops is not modelled for mixture-of-experts blocks ({model.model_type}): "
             "use --checkpoint-every K or --checkpointing full"
         )
+    if model.analytic_gap:
+        # the analytic walk of what the policy saves (analytic.sac_saves) reads the block's formulas
+        p.append(
+            f"--checkpoint-ops is modelled for the block shapes autofit's formulas describe; {model.model_type}'s "
+            "is read from transformers (see `autofit estimate`): use --checkpoint-every K or --checkpointing full"
+        )
     if plan.offload_activations:
         # op-level checkpointing's saved outputs are held by its dispatch mode, not by autograd's
         # saved-tensor hooks, so activation offload would move only the block inputs

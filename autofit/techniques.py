@@ -180,6 +180,8 @@ def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
     ``nn.Linear`` layers, so transformers 5's fused 3-D experts stay in 16-bit
     (``transformers.integrations.bitsandbytes.replace_with_bnb_linear``; bitsandbytes issue
     #1849): QLoRA saves the attention's weights, not the experts'."""
+    if spec.derived:  # a model type no family describes: how it was read and itemized
+        return {"block": spec.derivation}
     if not spec.family.moe:
         return {}
     notes = {"routing": spec.routing_assumption}

@@ -292,9 +292,14 @@ class SearchSpace:
         # apart from its memory.
         # op-level selective checkpointing in place of full: every block checkpointed, its matmul and
         # attention outputs kept (plan._op_checkpointing_problems: not beside FSDP's own checkpointing,
-        # MoE blocks or activation offload)
+        # MoE blocks, blocks the analytic formulas do not describe, or activation offload)
         ops = False
-        if ckpt is Checkpointing.FULL and sharding is not Sharding.FSDP and not self.ctx.model.family.moe:
+        model = self.ctx.model
+        if (
+            ckpt is Checkpointing.FULL
+            and sharding is not Sharding.FSDP
+            and not (model.family.moe or model.analytic_gap)
+        ):
             ops = bool(trial.suggest_categorical("checkpoint_ops", [False, True]))
         offload_acts = False
         if ckpt is Checkpointing.FULL and not ops and self.ctx.cluster.gpu.kind == "cuda":

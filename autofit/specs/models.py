@@ -596,6 +596,23 @@ class ModelSpec:
         do): a derived block its formulas cannot reproduce (``specs/derive.py``)."""
         return str(dict(self.derived).get("analytic", "")) if self.derived else ""
 
+    @property
+    def derivation(self) -> str:
+        """What an answer on a model type no family describes says of it ("" for a registered family)."""
+        if not self.derived:
+            return ""
+        f = self.family
+        how = (
+            f"the analytic evaluator traces one block for its saves, since {self.analytic_gap}"
+            if self.analytic_gap
+            else "the analytic evaluator itemizes it as a block of that shape"
+        )
+        return (
+            f"{self.model_type} is no registered family: its {f.decoder_layer} block was read from the model "
+            f"transformers builds ({f.norm}, {'gated' if f.gated_mlp else 'plain'} {f.activation or '?'} MLP, "
+            f"{f.positions} positions); {how}"
+        )
+
     def _counted(self, key: str):
         """A derived spec's count or layer list as transformers built it (None: use the formulas)."""
         return dict(self.derived).get(key) if self.derived else None
