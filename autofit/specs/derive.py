@@ -513,8 +513,8 @@ def _projections(lin, core: dict[str, Any], why: list[str]) -> tuple[dict[str, A
     """The attention's q/k/v (or fused qkv) and output projections and the MLP's, by shape."""
     h, qd, kd, inter = core["hidden_size"], core["num_heads"] * core["head_dim"], None, core["intermediate_size"]
     kd = core["num_kv_heads"] * core["head_dim"]
-    att = [x for x in lin if x[3] == "attention"]
-    mlp = [x for x in lin if x[3] == "mlp"]
+    att = _output_last([x for x in lin if x[3] == "attention"], qd, h)
+    mlp = _output_last([x for x in lin if x[3] == "mlp"], inter, h)
     shapes = [(x[1], x[2]) for x in att]
     attention: dict[str, Any] = {"in": tuple(n for n, *_ in att[:-1]), "out": att[-1][0] if att else ""}
     if shapes not in ([(h, qd), (h, kd), (h, kd), (qd, h)], [(h, qd + 2 * kd), (qd, h)]):
@@ -528,6 +528,16 @@ def _projections(lin, core: dict[str, Any], why: list[str]) -> tuple[dict[str, A
     attention["qkv_bias"], attention["out_bias"] = _biases(att, why, "attention")
     mlp_part["bias"] = all(_biases(mlp, why, "MLP"))
     return attention, mlp_part
+
+
+def _output_last(layers: list, width: int, hidden: int) -> list:
+    """The layers with the output projection (``width -> hidden``) last, as the formulas list them
+    (Phi-3 registers ``o_proj`` before ``qkv_proj``)."""
+    outs = [i for i, x in enumerate(layers) if (x[1], x[2]) == (width, hidden)]
+    if not outs:
+        return layers
+    k = outs[-1]
+    return layers[:k] + layers[k + 1 :] + [layers[k]]
 
 
 def _biases(layers, why: list[str], what: str) -> tuple[bool, bool]:

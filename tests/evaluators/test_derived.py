@@ -1,0 +1,87 @@
+"""Model types no family describes (specs/derive.py) through the evaluators: the simulated trace
+against real CPU steps, the analytic block (formulas or one traced block) against both."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+from autofit.evaluators import runtime as rt
+from autofit.evaluators import traced
+from autofit.evaluators.analytic import estimate
+from autofit.plan import Plan
+from autofit.specs import ModelSpec, Target, Workload, parse_cluster
+from tests.evaluators.test_families import SEQ, saved_by_first_block
+from tests.evaluators.test_simulated import TraceDevice, assert_matches, measure, run_trace
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_derived(model_type: str, layers: int = 2) -> ModelSpec:
+    from transformers import AutoConfig
+
+    base = ModelSpec.from_hf_config(AutoConfig.for_model(model_type).to_dict(), name=model_type)
+    return base.variant(
+        num_layers=layers,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=704,
+        vocab_size=1000,
+        name=f"tiny-{model_type}",
+    )
+
+
+PLANS = [
+    Plan(precision="bf16-true", micro_batch=2),
+    Plan(precision="32-true", micro_batch=2, attention="eager"),
+    Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2),
+    Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full"),
+]
+# starcoder2's block is one the formulas know; olmo2 (norms after the branches) and arcee (relu²)
+# are traced
+CASES = [(m, p) for m in ("starcoder2", "olmo2", "arcee") for p in PLANS]
+
+
+def _ids(x):
+    return x if isinstance(x, str) else x.summary()
+
+
+@pytest.mark.parametrize("model_type,plan", CASES, ids=_ids)
+def test_simulated_traces_the_real_step_of_a_derived_model(model_type, plan):
+    """transformers builds it from the kept config, PEFT and bitsandbytes find its Linear layers by
+    their derived names, and the traced step is the real one (peak within 2%, components 5%)."""
+    spec = tiny_derived(model_type)
+    workload = Workload(seq_len=128, global_batch=plan.micro_batch)
+    assert_matches(measure(spec, plan, workload), run_trace(spec, plan, workload, TraceDevice("cpu")))
+
+
+@pytest.mark.parametrize("model_type,plan", CASES, ids=_ids)
+def test_the_analytic_peak_of_a_derived_model(model_type, plan):
+    """Within 4% of the real CPU step where the formulas itemize the block (as for the registered
+    families, test_analytic.py), within 6% where one block is traced (its transients are a llama
+    block's)."""
+    spec = tiny_derived(model_type)
+    workload = Workload(seq_len=128, global_batch=plan.micro_batch)
+    real = measure(spec, plan, workload).peak
+    est = estimate(plan, Target(spec, parse_cluster("1xcpu"), workload)).memory.peak_allocated
+    tol = 0.06 if spec.analytic_gap else 0.04
+    assert abs(est / real - 1) <= tol, (est, real)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "arcee", "cohere"])
+@pytest.mark.parametrize("plan", PLANS[:3], ids=_ids)
+def test_the_traced_block_saves_what_autograd_saves(model_type, plan):
+    """The fake census of one block at two lengths, as bytes per token and per token², gives
+    byte for byte what a real CPU forward's saved-tensor hooks count for one sequence. (With more,
+    the RoPE tables the block saves are shared by the batch: the terms count them per sequence.)"""
+    spec = tiny_derived(model_type, layers=1)
+    tok, quad = traced.block_terms(spec, plan, cpu=True, capability=(8, 0))
+    autocast = rt.layout(plan).autocast_dtype  # the real step's autocast, as the runner enters it
+    with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+        real = saved_by_first_block(spec, plan.replace(micro_batch=1))
+    assert SEQ * (tok + quad * SEQ) == real
+    assert quad > 0 if plan.attention.value == "eager" else quad == 0
