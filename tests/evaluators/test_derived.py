@@ -18,7 +18,7 @@ from tests.evaluators.test_families import SEQ, saved_by_first_block
 from tests.evaluators.test_simulated import TraceDevice, assert_matches, measure, run_trace
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_derived(model_type: str, layers: int = 2) -> ModelSpec:
     from transformers import AutoConfig
 
