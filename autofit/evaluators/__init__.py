@@ -4,7 +4,8 @@ evaluator available.
 
 May import results, export (the measured evaluator launches the exported files),
 techniques, plan and specs; never the store, the search, the report or the CLI. Torch is
-imported only by the fidelities that build models (simulated, measured).
+imported only by the fidelities that build models (simulated, measured), and by the analytic
+evaluator only for a derived block its formulas do not describe (``traced.py``).
 """
 
 from __future__ import annotations

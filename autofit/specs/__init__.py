@@ -3,7 +3,9 @@ which data (Workload), with which budget (Target), and how sizes and durations a
 (units).
 
 The bottom of the pipeline: may import only ``autofit.errors`` and the standard library
-(and PyYAML); imports without torch. Everything else builds on these frozen dataclasses.
+(and PyYAML); imports without torch (``models.to_hf_config`` and ``derive.py``, which reads a model
+type no family describes from the model transformers builds, import torch and transformers when
+called). Everything else builds on these frozen dataclasses.
 """
 
 from autofit.specs.cluster import ClusterSpec, parse_cluster
