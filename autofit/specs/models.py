@@ -882,7 +882,11 @@ class ModelSpec:
             kw["head_dim"] = self.head_dim
         kw = {f.config_key(k): v for k, v in kw.items() if f.config_key(k)}  # bloom has no MLP width field
         kw.update({k: value for k, (value, _) in f.config_fixed.items()})
-        kw.update({k: dict(v) if k == "rope_parameters" else v for k, v in self.hf_extra})
+        if self.derived:  # every kept config key, objects and lists as the config class takes them
+            mappings = set(dict(self.derived).get("mappings", ()))
+            kw.update({k: _thawed(v) if k in mappings else _lists(v) for k, v in self.hf_extra})
+        else:
+            kw.update({k: dict(v) if k == "rope_parameters" else v for k, v in self.hf_extra})
         return kw
 
     def to_hf_config(self):
@@ -1170,23 +1174,8 @@ def _derived_config(spec: ModelSpec):
     """The transformers config of a derived spec: its config class, its kept keys and its sizes."""
     from autofit.specs import derive
 
-    f, mappings = spec.family, set(dict(spec.derived).get("mappings", ()))
-    kw = {k: (_thawed(v) if k in mappings else _lists(v)) for k, v in spec.hf_extra}
-    kw.update(
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
-    if f.has_kv_heads_key:
-        kw["num_key_value_heads"] = spec.num_kv_heads
-    if f.has_head_dim_key:
-        kw["head_dim"] = spec.head_dim
     with _quiet_logger("transformers"):
-        cfg = derive.config_class(spec.model_type)(**kw)
+        cfg = derive.config_class(spec.model_type)(**spec.hf_config_kwargs())
     _drop_ids_past_vocab(cfg, spec.vocab_size)
     return cfg
 
