@@ -790,7 +790,12 @@ def _activations(
     # op-level checkpointing's saved outputs: its recompute takes them back instead of computing
     # them (they are among the block's saves then), and its forward makes them
     sac = t_mem * (blk.sac_tok + s * blk.sac_quad)
-    saved_blocks = n_ckpt * (t_mem * lay.base_bytes * model.hidden_size + sac + held) + (L - n_ckpt) * block_bytes
+    cpu = ctx.cluster.gpu.kind == "cpu"
+    # the checkpointed blocks' inputs: block 0's is the embedding output, the others the residual stream
+    inputs = (
+        t_mem * model.hidden_size * (n_ckpt * _residual_bytes(model, plan, cpu) - flags[0] * _widened(model, plan, cpu))
+    )
+    saved_blocks = inputs + n_ckpt * (sac + held) + (L - n_ckpt) * block_bytes
     if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
         saved_blocks -= t_mem * blk.first_norm
     recompute = block_bytes - sac if n_ckpt else 0.0  # one block's activations while it runs backward
@@ -808,7 +813,6 @@ def _activations(
     if flags[-1]:
         # a checkpointed forward saves nothing: what the attention half would save is transient
         fwd_temp += block_bytes - sac - t_mem * blk.mlp_tok
-    cpu = ctx.cluster.gpu.kind == "cpu"
     if plan.quantized:  # one Linear dequantized to the compute dtype at a time
         dequant = max(i * o for _, i, o, _ in model.linears()) * c
         bwd_temp += dequant  # MatMul4Bit's and MatMul8bitLt's backwards always dequantize
@@ -835,6 +839,26 @@ def _activations(
         bwd_temp=bwd_temp,
         attn_bwd_temp=attn_bwd_temp,
     )
+
+
+def _residual_bytes(model: ModelSpec, plan: Plan, cpu: bool) -> int:
+    """Bytes per element of the residual stream after the first block.
+
+    bitsandbytes' 4-bit Linear returns its input's dtype (``Linear4bit.forward`` casts the
+    product back to ``inp_dtype``), and CUDA autocast runs layer_norm in fp32 (its fp32 op list;
+    the CPU's keeps it 16-bit): a LayerNorm block's QLoRA MLP then runs in fp32, and its fp32
+    output promotes the residual add, so every later block's input is fp32. An RMSNorm casts
+    back to the weight's dtype itself (``LlamaRMSNorm.forward``).
+    """
+    lay = dtype_layout(plan)
+    if plan.method is Method.QLORA and lay.autocasts and not cpu and model.family.norm == "layernorm":
+        return 4
+    return lay.base_bytes
+
+
+def _widened(model: ModelSpec, plan: Plan, cpu: bool) -> int:
+    """How many more bytes per element the residual stream has than block 0's input (the embedding's output)."""
+    return _residual_bytes(model, plan, cpu) - dtype_layout(plan).base_bytes
 
 
 def _int8_forward(model: ModelSpec, plan: Plan, c: int) -> float:
