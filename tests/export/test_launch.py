@@ -41,11 +41,22 @@ def _accelerate() -> list[str]:
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory) -> Path:
     """A tiny Mistral with random weights and a byte-level BPE tokenizer, in one folder."""
+    return _model_folder(tmp_path_factory.mktemp("model"), tiny("mistral-7b"))
+
+
+@pytest.fixture(scope="module")
+def local_olmo2(tmp_path_factory) -> Path:
+    """A tiny OLMo-2, a model type no family describes (read by specs/derive.py), in one folder."""
+    from tests.evaluators.test_derived import tiny_derived
+
+    return _model_folder(tmp_path_factory.mktemp("olmo2"), tiny_derived("olmo2"))
+
+
+def _model_folder(folder: Path, spec) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    folder = tmp_path_factory.mktemp("model")
-    AutoModelForCausalLM.from_config(tiny("mistral-7b").to_hf_config()).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(spec.to_hf_config()).save_pretrained(folder)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -152,3 +163,18 @@ def test_fsdp_export_shards_on_two_cpu_ranks(tmp_path, local_model):
         assert e["fsdp_local_numel"] * 2 == e["fsdp_global_numel"]  # each rank holds half
         assert e["checkpoint_wrappers"] == 2  # FSDP's checkpointing of both decoder layers
         assert e["model_class"].startswith("FSDP")
+
+
+@pytest.mark.slow
+def test_a_derived_model_type_exports_and_launches(tmp_path, local_olmo2):
+    """OLMo-2 has no registered family: its LoRA targets are the derived Linear names, FSDP wraps
+    the class transformers names (``_no_split_modules``), and the exported job runs on two ranks."""
+    spec = resolve_model(str(local_olmo2))
+    assert spec.model_type == "olmo2" and spec.analytic_gap
+    plan = dict(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full")
+    _, result = _launch(tmp_path, local_olmo2, "2xA10", 8, attention="sdpa", method="lora", lora_rank=8, **plan)
+    assert result["got"]["world_size"] == 2 and result["got"]["steps"] == 3
+    for r in result["ranks"]:
+        e = r["engine"]
+        assert e["distributed_type"] == "FSDP" and e["checkpoint_wrappers"] == 2
+        assert e["fsdp_param_type"] == "DTensor" and e["model_class"] == "FSDPPeftModelForCausalLM"
