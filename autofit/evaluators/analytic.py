@@ -472,8 +472,16 @@ def block_activations(
     autocast runs them in fp32). ``capability``: the CUDA GPU's, which decides the sdpa
     kernel (``sdpa_kernel``).
     """
-    if model.analytic_gap:  # a derived block the formulas do not describe: traced (evaluators/traced.py)
-        return _traced_block(model, plan, masked, cpu, capability)
+    if model.derived:  # read from transformers' model: its formulas, where one traced block confirms them
+        from autofit.evaluators import traced
+
+        if traced.formulas_miss(model):
+            return _traced_block(model, plan, masked, cpu, capability)
+    return _formula_block(model, plan, masked, cpu, capability)
+
+
+def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
+    """The block itemized by the formulas, from the family's fields."""
     f = model.family
     s = _Saves(model, plan, cpu)
     rope = f.positions == "rope"
@@ -499,6 +507,19 @@ def block_activations(
         tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
         blk = replace(blk, sac_tok=tok, sac_quad=quad)
     return blk
+
+
+def _block_note(model: ModelSpec) -> dict[str, str]:
+    """How the analytic evaluator read a derived model's block (``TrialResult.extra["block"]``)."""
+    if not model.derived:
+        return {}
+    from autofit.evaluators import traced
+
+    why = traced.formulas_miss(model)
+    how = (
+        f"one block traced for its saves: {why}" if why else "itemized by the formulas, which one traced block confirms"
+    )
+    return {"block": f"{model.model_type} ({model.family.decoder_layer}, read from transformers): {how}"}
 
 
 def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
@@ -1447,5 +1468,6 @@ class AnalyticEvaluator(Evaluator):
                 "time_error": timing.time_error(self.name),
                 **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes),
                 **model_notes(ctx.model, plan),
+                **_block_note(ctx.model),
             },
         )

@@ -51,6 +51,38 @@ def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int])
     return max(0.0, b1 / s1 - quad * s1), quad
 
 
+# the plans on which a derived block's formulas are checked against its trace (on the CPU's kernels)
+REFERENCE = (Plan(precision="bf16-true", micro_batch=1), Plan(precision="32-true", micro_batch=1, attention="eager"))
+
+
+@functools.lru_cache(maxsize=64)
+def formulas_miss(model: ModelSpec) -> str:
+    """Why the analytic formulas do not describe a derived model's block ("" where they do).
+
+    ``ModelSpec.analytic_gap`` says what the block's modules show; what they cannot show (a
+    causal mask built for every batch, a multiplier on the residual) shows in what the block
+    saves: the formulas' bytes for one sequence (the block and the RoPE tables it saves) must be
+    within 2% of one traced block's on each reference plan.
+    """
+    from autofit.evaluators.analytic import _formula_block
+
+    if model.analytic_gap:
+        return model.analytic_gap
+    s = LENGTHS[0]
+    for plan in REFERENCE:
+        tok, quad = block_terms(model, plan, True, (8, 0))
+        traced = s * (tok + quad * s)
+        blk = _formula_block(model, plan, False, True, (8, 0))
+        rope = 2 * s * model.rotary_dim * (4 if plan.precision.value == "32-true" else 2)
+        itemized = s * (blk.tok + blk.quad * s) + rope
+        if abs(itemized / traced - 1) > 0.02:
+            return (
+                f"its block saves {traced / s:,.0f} bytes a token where the formulas give {itemized / s:,.0f} "
+                f"({plan.summary()})"
+            )
+    return ""
+
+
 def _one_layer(model: ModelSpec) -> ModelSpec:
     """The model with its first layer only (per-layer lists cut to match, as ``unroll.traced_spec``)."""
     extra = tuple((k, v[:1] if k == "layer_types" and isinstance(v, tuple) else v) for k, v in model.hf_extra)

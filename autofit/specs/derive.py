@@ -76,18 +76,24 @@ class Derived:
     analytic: str  # "" where the analytic formulas describe the block; else why not
 
 
-def core_fields(cfg: Any) -> dict[str, Any]:
-    """A config's size fields under ModelSpec's names (``attribute_map`` resolves GPT-2's ``n_embd``)."""
-    heads = getattr(cfg, "num_attention_heads", None)
-    hidden = getattr(cfg, "hidden_size", None)
-    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and heads else None)
+def core_fields(cfg: Any, keys: Mapping[str, str] = {}) -> dict[str, Any]:  # noqa: B006 - read only
+    """A config's size fields under ModelSpec's names (``attribute_map`` resolves GPT-2's ``n_embd``;
+    ``keys``: a registered family's other names, falcon's ``ffn_hidden_size``)."""
+
+    def get(name: str):
+        return getattr(cfg, keys.get(name, name), None)
+
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    head_dim = get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
     return {
         "hidden_size": hidden,
-        "num_layers": getattr(cfg, "num_hidden_layers", None),
+        "num_layers": get("num_hidden_layers"),
         "num_heads": heads,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        # the count the model uses where the config states it (falcon-7b's multi-query: 1), else its own field
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or get("num_key_value_heads") or heads,
         "head_dim": head_dim,
-        "intermediate_size": getattr(cfg, "intermediate_size", None) or 4 * (hidden or 0),
+        "intermediate_size": get("intermediate_size") or 4 * (hidden or 0),
         "vocab_size": getattr(cfg, "vocab_size", None),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None) or 2048,
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -112,10 +118,10 @@ def config_class(model_type: str):
     return CONFIG_MAPPING[model_type]
 
 
-def extras(cfg: Any) -> dict[str, Any]:
+def extras(cfg: Any, keys: Mapping[str, str] = {}) -> dict[str, Any]:  # noqa: B006 - read only
     """The config keys beyond the size fields, as ``hf_extra`` keeps them to rebuild the model."""
     d = cfg.to_diff_dict() if hasattr(cfg, "to_diff_dict") else dict(cfg)
-    names = set(getattr(cfg, "attribute_map", {}).values()) | set(_SIZE_KEYS)
+    names = set(getattr(cfg, "attribute_map", {}).values()) | set(_SIZE_KEYS) | set(keys.values())
     return {k: v for k, v in d.items() if k not in _NOT_EXTRA and k not in names and not k.startswith("_")}
 
 
@@ -132,8 +138,9 @@ _SIZE_KEYS = (
 )
 
 
-def derive(cfg: Any) -> Derived:
-    """Read the block of the model ``cfg`` builds (a transformers config object)."""
+def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - read only
+    """Read the block of the model ``cfg`` builds (a transformers config object); ``keys`` as for
+    :func:`core_fields`."""
     model_type = cfg.model_type
     moe = [k for k in MOE_KEYS if getattr(cfg, k, None)]
     if moe:
@@ -162,7 +169,7 @@ def derive(cfg: Any) -> Derived:
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp)
-    fam, why = _family(cfg, model, block, attn, mlp, lin, trace, final is not None, probes)
+    fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final is not None, probes)
     emb = total - len(layers) * layer_params - head_params
     return Derived(fam, tuple(x[:4] for x in lin), emb, layer_params, head_params, why)
 
@@ -360,11 +367,11 @@ def _fake_tensors(model, mode) -> None:
 
 
 def _family(
-    cfg: Any, model, block, attn, mlp, lin, trace: _Trace, final_norm: bool, probes: Mapping[str, bool]
+    cfg: Any, keys, model, block, attn, mlp, lin, trace: _Trace, final_norm: bool, probes: Mapping[str, bool]
 ) -> tuple[dict[str, Any], str]:
     """The Family fields the block's modules and call order give, and why the analytic
     formulas do not describe it ("" where they do)."""
-    core = core_fields(cfg)
+    core = core_fields(cfg, keys)
     why: list[str] = []
     norms = [n for n in trace.order if "." not in n and "norm" in type(getattr(block, n)).__name__.lower()]
     shape, norm_position, parallel = _block_order(trace, norms, attn[0], mlp[0], why)
@@ -428,8 +435,9 @@ def _family(
         logit_softcap=bool(
             getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None)
         ),
-        has_head_dim_key=hasattr(cfg, "head_dim"),
-        has_kv_heads_key=hasattr(cfg, "num_key_value_heads"),
+        # config fields, not properties derived from others (FalconConfig.head_dim)
+        has_head_dim_key="head_dim" in cfg.to_dict(),
+        has_kv_heads_key=keys.get("num_key_value_heads", "num_key_value_heads") in cfg.to_dict(),
         parallel_residual=parallel,
         head_bias=head is not None and getattr(head, "bias", None) is not None,
         rotary_key="partial_rotary_factor" if rotary < 1 else "",

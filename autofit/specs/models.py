@@ -605,7 +605,8 @@ class ModelSpec:
         how = (
             f"the analytic evaluator traces one block for its saves, since {self.analytic_gap}"
             if self.analytic_gap
-            else "the analytic evaluator itemizes it as a block of that shape"
+            else "the analytic evaluator itemizes it as a block of that shape where one traced block confirms "
+            "its formulas, and traces it where not"
         )
         return (
             f"{self.model_type} is no registered family: its {f.decoder_layer} block was read from the model "
@@ -916,6 +917,10 @@ class ModelSpec:
         if isinstance(d.get("model_type"), str) and d["model_type"] not in FAMILIES:
             return _derived_spec(cfg, name, source, where)
         f = _config_family(d, where)
+        if not f.moe and any(d.get(k) not in accepted for k, (_, accepted) in f.config_fixed.items()):
+            # another block of a registered type (falcon-7b's multi-query one-norm block, a
+            # sequential gpt_neox): read from transformers' model as an unregistered type is
+            return _derived_spec(cfg, name, source, where)
         missing = [
             f.keys.get(k, k)
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -1116,26 +1121,28 @@ def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelS
 
     d = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
     model_type = d["model_type"]
+    # where a registered type's config names a size field otherwise (falcon's ffn_hidden_size)
+    keys = {k: v for k, v in FAMILIES[model_type].keys.items() if v} if model_type in FAMILIES else {}
     try:
         cls = derive.config_class(model_type)
         if isinstance(cfg, Mapping):
             with _quiet_logger("transformers"):
                 cfg = cls.from_dict(dict(cfg))
-        core = derive.core_fields(cfg)
+        core = derive.core_fields(cfg, keys)
         missing = [k for k in ("hidden_size", "num_layers", "num_heads", "vocab_size") if core[k] is None]
         if missing:
             raise SpecError(
                 f"a {model_type} config has no {', '.join(missing)}: autofit models transformer decoders "
                 "(attention and MLP blocks), and this is not one"
             )
-        built = derive.derive(cfg)
+        built = derive.derive(cfg, keys)
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a config its own class refuses is the user's to fix
         raise SpecError(f"{where}: transformers cannot read it as a {model_type} config ({_first_line(exc)})") from None
-    extra = derive.extras(cfg)
+    extra = derive.extras(cfg, keys)
     mappings = tuple(sorted(k for k, v in extra.items() if isinstance(v, Mapping)))
-    family = tuple(sorted((k, _tuples(v)) for k, v in built.family.items()))
+    family = tuple(sorted((k, _tuples(v)) for k, v in {**built.family, "keys": _frozen(keys)}.items()))
     formula = ModelSpec(
         name=name or source or model_type,
         model_type=model_type,
@@ -1167,7 +1174,8 @@ def _formula_gap(formula: ModelSpec, built: Any) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _derived_family(derived: tuple[tuple[str, Any], ...]) -> Family:
-    return Family(**dict(dict(derived)["family"]))
+    fields = dict(dict(derived)["family"])
+    return Family(**{**fields, "keys": dict(fields.get("keys", ()))})
 
 
 def _derived_config(spec: ModelSpec):

@@ -157,15 +157,30 @@ def test_per_model_block_fields_reach_the_transformers_config():
     assert MODELS["gpt2"].dropouts == {"attention", "residual", "embedding"}
 
 
-def test_family_rules_are_refused_with_the_field_named(tmp_path):
+def test_another_block_of_a_registered_type_is_read_from_transformers(tmp_path):
+    """A config whose block is not the one its family describes (``Family.config_fixed``) is read
+    from the model transformers builds (specs/derive.py), as an unregistered type is."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**RAW_CONFIGS["stablelm-base-alpha-3b"], "use_parallel_residual": False}))
-    with pytest.raises(SpecError, match="'use_parallel_residual' is false; autofit models gpt_neox blocks with"):
-        resolve_model(str(path))
+    neox = resolve_model(str(path))
+    assert neox.derived and not neox.family.parallel_residual and neox.analytic_gap == ""
     falcon_7b = {**RAW_CONFIGS["falcon-40b"], "new_decoder_architecture": False, "multi_query": True}
     path.write_text(json.dumps(falcon_7b))  # falcon-7b's block: one norm, multi-query
-    with pytest.raises(SpecError, match="'new_decoder_architecture' is false"):
-        resolve_model(str(path))
+    falcon = resolve_model(str(path))
+    assert falcon.derived and falcon.num_kv_heads == 1 and falcon.family.norms_per_layer == 1
+    assert falcon.n_params == sum(p.numel() for p in _built(falcon).parameters())
+
+
+def _built(spec):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(spec.to_hf_config())
+
+
+def test_family_rules_are_refused_with_the_field_named(tmp_path):
+    path = tmp_path / "config.json"
     path.write_text(json.dumps({**RAW_CONFIGS["phi-2"], "partial_rotary_factor": 1.5}))
     with pytest.raises(SpecError, match="'partial_rotary_factor' must be a fraction"):
         resolve_model(str(path))
