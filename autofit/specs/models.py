@@ -534,9 +534,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.derived:
-            pass
-        elif not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
+        if not self.derived and (not isinstance(self.model_type, str) or self.model_type not in FAMILIES):
             problems.append(
                 f"model type {self.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
             )
@@ -1102,19 +1100,6 @@ def _config_rope_scaling(d: Mapping[str, Any], f: Family, where: str) -> tuple[t
 
 
 # -- model types no family describes (specs/derive.py) -------------------------------------
-_CORE = (
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-)
-
-
 def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelSpec:
     """A spec of a model type no family describes, from the model transformers builds of it."""
     from autofit.specs import derive
@@ -1199,7 +1184,8 @@ def _derived_variant(spec: ModelSpec, name: str, overrides: dict[str, Any]) -> M
     extra = spec.hf_extra
     if overrides.get("num_layers", spec.num_layers) != spec.num_layers:
         extra = tuple((k, v) for k, v in extra if not (isinstance(v, tuple) and len(v) == spec.num_layers))
-    resized = dataclasses.replace(spec, n_params=0, hf_extra=extra, derived=spec.derived[:2], **overrides)
+    read = tuple((k, v) for k, v in spec.derived if k in ("family", "mappings"))  # not the old counts
+    resized = dataclasses.replace(spec, n_params=0, hf_extra=extra, derived=read, **overrides)
     return ModelSpec.from_hf_config(_derived_config(resized), name=name, source=spec.source)
 
 
