@@ -476,8 +476,17 @@ def block_activations(
         from autofit.evaluators import traced
 
         if traced.formulas_miss(model):
-            return _traced_block(model, plan, masked, cpu, capability)
-    return _formula_block(model, plan, masked, cpu, capability)
+            blk = _traced_block(model, plan, masked, cpu, capability)
+            # op-level checkpointing's policy walks the formulas (``sac_saves``): on a traced block
+            # (plan_problems refuses it where the modules already say why), what it keeps is bounded
+            # by everything the block saves
+            return replace(blk, sac_tok=blk.tok, sac_quad=blk.quad) if plan.checkpoint_ops else blk
+    blk = _formula_block(model, plan, masked, cpu, capability)
+    if plan.checkpoint_ops:
+        kernel = sdpa_kernel(model, plan, masked, cpu, capability) if plan.attention is Attention.SDPA else ""
+        tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
+        blk = replace(blk, sac_tok=tok, sac_quad=quad)
+    return blk
 
 
 def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
@@ -503,9 +512,6 @@ def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabi
     else:
         down, prod, norm_out = _plain_mlp(s, model)
     blk = _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
-    if plan.checkpoint_ops:
-        tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
-        blk = replace(blk, sac_tok=tok, sac_quad=quad)
     return blk
 
 
