@@ -445,8 +445,8 @@ def _op_checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
     if model.analytic_gap:
         # the analytic walk of what the policy saves (analytic.sac_saves) reads the block's formulas
         p.append(
-            f"--checkpoint-ops is modelled for the block shapes autofit's formulas describe; {model.model_type}'s "
-            "is read from transformers (see `autofit estimate`): use --checkpoint-every K or --checkpointing full"
+            f"--checkpoint-ops walks the block formulas, which do not describe {model.model_type}'s block "
+            f"({model.analytic_gap}): use --checkpoint-every K or --checkpointing full"
         )
     if plan.offload_activations:
         # op-level checkpointing's saved outputs are held by its dispatch mode, not by autograd's

@@ -101,3 +101,12 @@ def test_op_level_checkpointing_of_a_traced_block_is_bounded_from_above(model_ty
     real = measure(spec, plan, workload).peak
     est = estimate(plan, Target(spec, parse_cluster("1xcpu"), workload)).memory.peak_allocated
     assert 1.0 <= est / real <= 1.35
+
+
+def test_op_level_checkpointing_is_refused_where_the_modules_say_the_formulas_miss():
+    from autofit.plan import plan_problems
+
+    plan = Plan(precision="bf16-true", micro_batch=2, checkpointing="selective", checkpoint_ops=True)
+    problems = plan_problems(plan, tiny_derived("olmo2"), parse_cluster("1xA100-80GB"), Workload(global_batch=2))
+    assert any("--checkpoint-ops walks the block formulas, which do not describe olmo2's block" in p for p in problems)
+    assert not plan_problems(plan, tiny_derived("starcoder2"), parse_cluster("1xA100-80GB"), Workload(global_batch=2))
