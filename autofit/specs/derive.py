@@ -388,20 +388,7 @@ def _family(
     if activation not in known:
         why.append(f"its MLP's activation {activation!r} is not one the formulas know ({', '.join(known)})")
     positions = _positions(cfg, model, core, why)
-    for key in DROPOUT_KEYS:
-        p = getattr(cfg, key, None)
-        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-            why.append(f"it trains with dropout ({key} = {p})")
-    scaled = [
-        k
-        for k, v in vars(cfg).items()
-        if (k.endswith("_multiplier") or k in ("logits_scaling", "logit_scale"))
-        and isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and v != 1
-    ]
-    if scaled:
-        why.append(f"it scales its tensors by {', '.join(sorted(scaled))}")
+    _unmodelled(cfg, why)
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings()
     rotary = _rotary_fraction(cfg)
@@ -447,6 +434,24 @@ def _family(
     if not shape:
         fam["norm_position"] = "pre"
     return fam, "; ".join(why)
+
+
+def _unmodelled(cfg: Any, why: list[str]) -> None:
+    """Config values the formulas do not model: a dropout probability, a multiplier on a tensor."""
+    for key in DROPOUT_KEYS:
+        p = getattr(cfg, key, None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            why.append(f"it trains with dropout ({key} = {p})")
+    scaled = [
+        k
+        for k, v in vars(cfg).items()
+        if (k.endswith("_multiplier") or k in ("logits_scaling", "logit_scale"))
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v != 1
+    ]
+    if scaled:
+        why.append(f"it scales its tensors by {', '.join(sorted(scaled))}")
 
 
 def _module(block, dotted: str):

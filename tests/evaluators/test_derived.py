@@ -51,13 +51,19 @@ def _ids(x):
     return x if isinstance(x, str) else x.summary()
 
 
+@functools.cache
+def real_step(model_type: str, plan: Plan):
+    """The real CPU steps of a tiny derived model (each measured once for the tests below)."""
+    return measure(tiny_derived(model_type), plan, Workload(seq_len=128, global_batch=plan.micro_batch))
+
+
 @pytest.mark.parametrize("model_type,plan", CASES, ids=_ids)
 def test_simulated_traces_the_real_step_of_a_derived_model(model_type, plan):
     """transformers builds it from the kept config, PEFT and bitsandbytes find its Linear layers by
     their derived names, and the traced step is the real one (peak within 2%, components 5%)."""
     spec = tiny_derived(model_type)
     workload = Workload(seq_len=128, global_batch=plan.micro_batch)
-    assert_matches(measure(spec, plan, workload), run_trace(spec, plan, workload, TraceDevice("cpu")))
+    assert_matches(real_step(model_type, plan), run_trace(spec, plan, workload, TraceDevice("cpu")))
 
 
 @pytest.mark.parametrize("model_type,plan", CASES, ids=_ids)
@@ -67,7 +73,7 @@ def test_the_analytic_peak_of_a_derived_model(model_type, plan):
     block's)."""
     spec = tiny_derived(model_type)
     workload = Workload(seq_len=128, global_batch=plan.micro_batch)
-    real = measure(spec, plan, workload).peak
+    real = real_step(model_type, plan).peak
     est = estimate(plan, Target(spec, parse_cluster("1xcpu"), workload)).memory.peak_allocated
     tol = 0.06 if spec.analytic_gap else 0.04
     assert abs(est / real - 1) <= tol, (est, real)
