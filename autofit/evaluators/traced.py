@@ -23,6 +23,7 @@ import functools
 
 from autofit.plan import Attention, Checkpointing, Method, Plan
 from autofit.specs import ModelSpec, Workload
+from autofit.techniques import dtype_layout
 
 # the two sequence lengths of the census (multiples of every kernel's block size)
 LENGTHS = (256, 512)
@@ -73,7 +74,7 @@ def formulas_miss(model: ModelSpec) -> str:
         tok, quad = block_terms(model, plan, True, (8, 0))
         traced = s * (tok + quad * s)
         blk = _formula_block(model, plan, False, True, (8, 0))
-        rope = 2 * s * model.rotary_dim * (4 if plan.precision.value == "32-true" else 2)
+        rope = 2 * s * model.rotary_dim * dtype_layout(plan).base_bytes  # as analytic._activations counts it
         itemized = s * (blk.tok + blk.quad * s) + rope
         if abs(itemized / traced - 1) > 0.02:
             return (

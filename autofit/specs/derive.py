@@ -176,18 +176,16 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
 
 @contextlib.contextmanager
 def _quiet():
-    # transformers' config warnings, and fake_tensor's traceback of an op that fails (reported in one line)
-    loggers = [logging.getLogger(n) for n in ("transformers", "torch._subclasses.fake_tensor")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    with warnings.catch_warnings():
+    """transformers' config warnings, and fake_tensor's traceback of an op that fails (reported in one line)."""
+    from autofit.specs.models import _quiet_logger
+
+    with (
+        _quiet_logger("transformers"),
+        _quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
+        yield
 
 
 def _build(cfg: Any):

@@ -2075,11 +2075,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_logger(name: str):
-    """Hold a library's warnings back while autofit reports the outcome in one line of its own."""
+def _quiet_logger(name: str, below: int = logging.ERROR):
+    """Hold a library's warnings (records under ``below``) back while autofit reports the outcome in
+    one line of its own."""
     logger = logging.getLogger(name)
     level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.setLevel(below)
     try:
         yield
     finally:
