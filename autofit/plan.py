@@ -69,8 +69,9 @@ class LoraTargets(_Choice):
     ATTENTION = "attention"  # q, k, v, o only
 
     def covers(self, part: str) -> bool:
-        """Whether LoRA adapts a Linear of this ``part`` (``ModelSpec.linears``: "attention" or "mlp")."""
-        return self is LoraTargets.ALL_LINEAR or part == "attention"
+        """Whether LoRA adapts a Linear of this ``part`` (``ModelSpec.linears``: "attention", "mlp", or
+        "frozen": one no target reaches, ``specs/derive.py``)."""
+        return part == "attention" or (self is LoraTargets.ALL_LINEAR and part == "mlp")
 
 
 class Precision(_Choice):

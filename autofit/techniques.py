@@ -180,11 +180,11 @@ def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
     ``nn.Linear`` layers, so transformers 5's fused 3-D experts stay in 16-bit
     (``transformers.integrations.bitsandbytes.replace_with_bnb_linear``; bitsandbytes issue
     #1849): QLoRA saves the attention's weights, not the experts'."""
-    if spec.derived:  # a model type no family describes: how it was read and itemized
-        return {"block": spec.derivation}
+    # a model type no family describes: how it was read and itemized
+    notes = {"block": spec.derivation} if spec.derived else {}
     if not spec.family.moe:
-        return {}
-    notes = {"routing": spec.routing_assumption}
+        return notes
+    notes["routing"] = spec.routing_assumption
     if plan.quantized:
         experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.expert_width
         notes["note"] = (

@@ -530,7 +530,8 @@ def _block_note(model: ModelSpec) -> dict[str, str]:
 
 def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
     """A block from one traced block's saves (``traced.block_terms``); the transients a forward
-    census cannot see at a llama block's sizes of the same widths (``_block_summary``): the
+    census cannot see at an MoE block's sizes where it routes experts, else at a llama block's
+    sizes of the same widths (``_block_summary``): the
     gated MLP's gradients, its forward's residual, norm output, projection output and product,
     eager attention's fp32 scores and softmax gradients. Nothing is counted as freed early."""
     from autofit.evaluators import traced
@@ -539,7 +540,7 @@ def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabil
     lay = dtype_layout(plan)
     r, c, h, inter, a = lay.base_bytes, lay.compute_bytes, model.hidden_size, model.intermediate_size, model.num_heads
     eager = plan.attention is Attention.EAGER
-    return _Block(
+    blk = _Block(
         tok=tok,
         quad=quad,
         bwd_tok=2 * inter * c + 8 * h,
@@ -551,6 +552,10 @@ def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabil
         attn_bwd_quad=a * (8 + (0.5 if c != 4 else 0)) if eager else 0.0,
         mlp_fwd_tok=h * r + 2 * h * c + inter * c,
     )
+    if model.family.moe:  # the experts' transients (``_moe_transients``), at the routed experts' sizes
+        moe = _formula_block(model, plan, masked, cpu, capability)
+        blk = replace(blk, bwd_tok=moe.bwd_tok, mlp_fwd_tok=moe.mlp_fwd_tok)
+    return blk
 
 
 def _block_summary(
@@ -955,7 +960,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         tail = sum(
             i * o
             for n, i, o, part in model.linears()
-            if part == "mlp" or (n == f.attn_out and f.norm_position != "post")
+            if part != "attention" or (n == f.attn_out and f.norm_position != "post")
         )
         if model.family.moe:  # the routed experts' gate_up_proj and down_proj, all experts each
             tail += 3 * model.num_experts * model.expert_width * model.hidden_size

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.errors import SpecError
@@ -45,8 +45,9 @@ DROPOUT_KEYS = (
     "attn_pdrop",
     "dropout",
 )
-# config keys whose presence makes a block a mixture of experts (routing is data-dependent)
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+# config keys of a mixture of experts' expert count and of the experts each token is routed to
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_experts_per_token")
 # config keys kept out of a derived spec's ``hf_extra``: its own fields, and what does not build the model
 _NOT_EXTRA = frozenset(
     (
@@ -74,6 +75,9 @@ class Derived:
     layer_params: int
     head_params: int  # final norm and an untied head
     analytic: str  # "" where the analytic formulas describe the block; else why not
+    # a mixture of experts: the config keys and values of its expert count, experts per token and
+    # expert width, and its shared expert's width (``"shared_width"``; 0: none); {} for a dense MLP
+    experts: Mapping[str, int] = field(default_factory=dict)
 
 
 def core_fields(cfg: Any, keys: Mapping[str, str] = {}) -> dict[str, Any]:  # noqa: B006 - read only
@@ -121,7 +125,9 @@ def config_class(model_type: str):
 def extras(cfg: Any, keys: Mapping[str, str] = {}) -> dict[str, Any]:  # noqa: B006 - read only
     """The config keys beyond the size fields, as ``hf_extra`` keeps them to rebuild the model."""
     d = cfg.to_diff_dict() if hasattr(cfg, "to_diff_dict") else dict(cfg)
-    names = set(getattr(cfg, "attribute_map", {}).values()) | set(_SIZE_KEYS) | set(keys.values())
+    # the config's own names of the size fields (GPT-2's n_embd), not of every alias (OLMoE's num_experts)
+    aliased = {v for k, v in getattr(cfg, "attribute_map", {}).items() if k in _SIZE_KEYS}
+    names = aliased | set(_SIZE_KEYS) | set(keys.values())
     return {k: v for k, v in d.items() if k not in _NOT_EXTRA and k not in names and not k.startswith("_")}
 
 
@@ -142,23 +148,20 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     """Read the block of the model ``cfg`` builds (a transformers config object); ``keys`` as for
     :func:`core_fields`."""
     model_type = cfg.model_type
-    moe = [k for k in MOE_KEYS if getattr(cfg, k, None)]
-    if moe:
-        raise SpecError(
-            f"model type {model_type!r} is a mixture of experts ({moe[0]} = {getattr(cfg, moe[0])}) that autofit "
-            "has no routing assumption for: fake tensors cannot follow a router, so autofit models the routed "
-            "families it states one for (mixtral, qwen2_moe, qwen3_moe)"
-        )
+    _router_loss(cfg)
     model = _build(cfg)
     layers = _decoder_layers(model, cfg)
     block = layers[0]
-    attn, mlp = _child(block, "attention", ("attention", "attn")), _child(block, "MLP", ("mlp", "feedforward"))
+    experts = _experts(cfg, block)
+    attn = _child(block, "attention", ("attention", "attn"))
+    # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
+    mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
     if attn[1] is None:
         raise SpecError(
             f"{model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
             "transformer decoders (attention and MLP blocks), and this is not one"
         )
-    lin = _linears(block, attn)
+    lin = _linears(block, attn, _peft_remaps(model_type) if experts else frozenset())
     layer_params = sum(p.numel() for p in block.parameters())
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
@@ -169,9 +172,10 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp)
-    fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final is not None, probes)
+    fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final is not None, probes, experts)
     emb = total - len(layers) * layer_params - head_params
-    return Derived(fam, tuple(x[:4] for x in lin), emb, layer_params, head_params, why)
+    moe = experts.config if experts else {}
+    return Derived(fam, tuple(x[:4] for x in lin), emb, layer_params, head_params, why, moe)
 
 
 @contextlib.contextmanager
@@ -195,8 +199,10 @@ def _build(cfg: Any):
     cfg.use_cache = False
     cfg._attn_implementation = "eager"
     try:
+        # in bf16: the one dtype ``torch._grouped_mm``'s meta function takes (an MoE block's experts,
+        # evaluators/moe.py); the dtype decides no count or call order read here
         with _quiet(), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg)
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     except Exception as exc:  # noqa: BLE001 - a config its own class cannot build is the user's to fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecError(f"transformers cannot build a {cfg.model_type} model from this config: {first[:200]}") from None
@@ -221,7 +227,8 @@ def _decoder_layers(model, cfg: Any) -> list:
     if len(counts) > 1:
         raise SpecError(
             f"{cfg.model_type}'s {kinds[0]} layers differ in size ({', '.join(f'{c:,}' for c in sorted(counts))} "
-            "parameters); autofit models models whose decoder layers are all alike"
+            "parameters: dense and mixture-of-experts layers, or blocks of other widths, in one stack); autofit "
+            "models models whose decoder layers are all alike"
         )
     return layers
 
@@ -237,21 +244,138 @@ def _child(block, cls_word: str, names: tuple[str, ...]):
     return None, None
 
 
-def _linears(block, attn) -> list[tuple[str, int, int, str, bool]]:
-    """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order."""
+def _peft_remaps(model_type: str) -> frozenset[str]:
+    """The Linear names PEFT does not adapt as Linears in an MoE model of this type: for the types
+    transformers 5 fused the experts of, ``peft.utils.transformers_weight_conversion`` turns a target
+    named (or ending in) ``gate_proj``/``up_proj``/``down_proj`` (Mixtral's ``w1``..``w3``) into LoRA on
+    every routed expert's 3-D weights (``target_parameters``), whatever Linear it named (a shared
+    expert's). Empty where PEFT does not (or cannot be imported)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return frozenset()
+    base = getattr(conv, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    return frozenset(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(base, {}))
+
+
+def _linears(block, attn, remapped: frozenset[str]) -> list[tuple[str, int, int, str, bool]]:
+    """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order:
+    those of type ``nn.Linear`` itself, as transformers' ``replace_with_bnb_linear`` quantizes them
+    (``integrations/bitsandbytes.py``), not a subclass (PhiMoE's router, which returns a tuple).
+    ``part``: ``attention``, ``mlp``, or ``frozen`` for a Linear LoRA cannot target by name
+    (``remapped``: PEFT adapts the routed experts instead, :func:`_peft_remaps`)."""
     import torch
 
     out = []
     for name, m in block.named_modules():
-        if isinstance(m, torch.nn.Linear):
+        if type(m) is torch.nn.Linear:
             i, o = m.in_features, m.out_features
         elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
             i, o = m.weight.shape
         else:
             continue
         part = "attention" if attn[0] and (name == attn[0] or name.startswith(attn[0] + ".")) else "mlp"
+        if part == "mlp" and name.rsplit(".", 1)[-1] in remapped:
+            part = "frozen"
         out.append((name, int(i), int(o), part, getattr(m, "bias", None) is not None))
     return out
+
+
+def _router_loss(cfg: Any) -> None:
+    """Refuse the load-balancing loss: it keeps every layer's router logits until the loss, which
+    a block's trace cannot see (the registered MoE families refuse it too, ``config_fixed``)."""
+    if getattr(cfg, "output_router_logits", False):
+        raise SpecError(
+            f"{cfg.model_type}: output_router_logits is true (the load-balancing loss keeps every layer's router "
+            "logits); autofit models MoE training without it: set it to false"
+        )
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """A block's routed experts, as transformers' ``use_experts_implementation`` runs them."""
+
+    child: str  # the block's child that holds them (``mlp``, GraniteMoE's ``block_sparse_moe``)
+    family: Mapping[str, str]  # the Family's MoE fields: the config keys of count, top-k and width
+    config: Mapping[str, int]  # those keys' values, and "shared_width" (the shared expert's; 0: none)
+    why: tuple[str, ...]  # what of them the block formulas do not describe
+
+
+def _experts(cfg: Any, block) -> _Experts | None:
+    """The block's routed experts, or None for a dense MLP. Only experts transformers runs through
+    ``integrations.moe.use_experts_implementation`` (the grouped GEMM over ``tokens × k`` rows, whose
+    memory does not depend on the routing: ``evaluators/moe.py``) have a routing assumption; any
+    other set of experts (a loop over an ``nn.ModuleList``, JetMoE's own kernels) is refused."""
+    import torch
+
+    grouped = [(n, m) for n, m in block.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+    if not grouped:
+        looped = [
+            type(m).__name__
+            for n, m in block.named_modules()
+            if "expert" in f"{n.rsplit('.', 1)[-1]} {type(m).__name__}".lower()
+            and (isinstance(m, torch.nn.ModuleList) or any(p.dim() == 3 for p in m.parameters(recurse=False)))
+        ]
+        if looped:
+            raise SpecError(
+                f"{cfg.model_type}'s experts ({looped[0]}) are not run by transformers' grouped experts "
+                "(use_experts_implementation), whose memory does not depend on the routing: autofit has no routing "
+                "assumption for them"
+            )
+        return None
+    name, ex = grouped[0]
+    if len(grouped) > 1 or not ex.has_gate:
+        what = "more than one set of experts" if len(grouped) > 1 else "experts without a gate"
+        raise SpecError(f"{cfg.model_type}'s block has {what}; autofit models gated experts (SiLU(gate)·up -> down)")
+    count, hidden = int(ex.gate_up_proj.shape[0]), int(ex.gate_up_proj.shape[1 if ex.is_transposed else 2])
+    width = int(ex.down_proj.shape[1] if ex.is_transposed else ex.down_proj.shape[2])
+    # the sparse MoE block holding the experts, their router and a shared expert (``mlp``)
+    parent = name.rsplit(".", 1)[0] if "." in name else None
+    inside = [
+        (n, m)
+        for n, m in block.named_modules()
+        if parent is not None and (n == parent or n.startswith(parent + ".")) and not n.startswith(name)
+    ]
+    d = cfg.to_dict()
+    top_k = next((int(m.top_k) for _, m in inside if isinstance(getattr(m, "top_k", None), int)), None)
+    top_k = top_k or next((d[k] for k in TOP_K_KEYS if isinstance(d.get(k), int)), 0)
+    if not top_k:
+        raise SpecError(f"{cfg.model_type}: the config sets no experts per token ({', '.join(TOP_K_KEYS)})")
+    family = {
+        "experts_key": _config_key(cfg, d, EXPERT_COUNT_KEYS, count, "expert count"),
+        "top_k_key": _config_key(cfg, d, TOP_K_KEYS, top_k, "top-k"),
+        "expert_width_key": ""
+        if width == getattr(cfg, "intermediate_size", None)
+        else _config_key(cfg, d, tuple(k for k in d if k.endswith("intermediate_size")), width, "expert width"),
+    }
+    config = {key: d[key] for key in family.values() if key}
+    # the shared expert: the Linears beside the experts whose output is the hidden size
+    config["shared_width"] = sum(
+        m.in_features for _, m in inside if isinstance(m, torch.nn.Linear) and m.out_features == hidden
+    )
+    why = []
+    if ex.has_bias:
+        why.append("its experts have biases")
+    if ex.has_post_expert_norm:
+        why.append("its experts norm their outputs")
+    # ``use_experts_implementation`` installs ``_default_apply_gate`` where a class has none of its own
+    if getattr(type(ex)._apply_gate, "__name__", "") != "_default_apply_gate":
+        why.append(f"its experts gate with {type(ex).__name__}._apply_gate, not the activation of gate times up")
+    jitter = [k for k in ("router_jitter_noise", "input_jitter_noise") if getattr(cfg, k, None)]
+    if jitter:
+        why.append(f"its router adds noise ({jitter[0]} = {getattr(cfg, jitter[0])})")
+    return _Experts(name.split(".", 1)[0], family, config, tuple(why))
+
+
+def _config_key(cfg: Any, d: Mapping[str, Any], keys: tuple[str, ...], value: int, what: str) -> str:
+    """The config key among ``keys`` that holds an MoE block's ``value``, or a SpecError."""
+    for key in keys:
+        if d.get(key) == value:
+            return key
+    raise SpecError(
+        f"{cfg.model_type}'s experts have {what} {value}, which no config key autofit knows holds "
+        f"({', '.join(keys) or 'none'})"
+    )
 
 
 def _final_norm(model, layers):
@@ -365,7 +489,17 @@ def _fake_tensors(model, mode) -> None:
 
 
 def _family(
-    cfg: Any, keys, model, block, attn, mlp, lin, trace: _Trace, final_norm: bool, probes: Mapping[str, bool]
+    cfg: Any,
+    keys,
+    model,
+    block,
+    attn,
+    mlp,
+    lin,
+    trace: _Trace,
+    final_norm: bool,
+    probes: Mapping[str, bool],
+    experts: _Experts | None,
 ) -> tuple[dict[str, Any], str]:
     """The Family fields the block's modules and call order give, and why the analytic
     formulas do not describe it ("" where they do)."""
@@ -379,9 +513,9 @@ def _family(
     qk_norm = bool(heads)
     if heads and any(sum(p.numel() for p in _module(block, n).parameters()) != core["head_dim"] for n in heads):
         why.append("it norms q and k over more than one head")
-    attention, mlp_part = _projections(lin, core, why)
+    attention, mlp_part = _projections(lin, core, why, experts is not None)
     activation = next((getattr(cfg, k) for k in ACTIVATION_KEYS if getattr(cfg, k, None)), "")
-    gated = len(mlp_part["in"]) == 2 or mlp_part.get("fused_gate", False)
+    gated = len(mlp_part["in"]) == 2 or mlp_part.get("fused_gate", False) or experts is not None
     known = GATED_ACTIVATIONS if gated else PLAIN_ACTIVATIONS
     if activation not in known:
         why.append(f"its MLP's activation {activation!r} is not one the formulas know ({', '.join(known)})")
@@ -428,7 +562,10 @@ def _family(
         rotary_key="partial_rotary_factor" if rotary < 1 else "",
         rotary_default=rotary,
         qk_norm=qk_norm,
+        **(experts.family if experts else {}),
     )
+    if experts:
+        why.extend(experts.why)
     if not shape:
         fam["norm_position"] = "pre"
     return fam, "; ".join(why)
@@ -520,8 +657,9 @@ def _probe(norm) -> bool:
     return bool(out.abs().sum() > 0)
 
 
-def _projections(lin, core: dict[str, Any], why: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The attention's q/k/v (or fused qkv) and output projections and the MLP's, by shape."""
+def _projections(lin, core: dict[str, Any], why: list[str], moe: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The attention's q/k/v (or fused qkv) and output projections and the MLP's, by shape (an
+    MoE block's Linears are its shared expert's, which the block formulas do not name: none)."""
     h, qd, kd, inter = core["hidden_size"], core["num_heads"] * core["head_dim"], None, core["intermediate_size"]
     kd = core["num_kv_heads"] * core["head_dim"]
     att = _output_last([x for x in lin if x[3] == "attention"], qd, h)
@@ -530,6 +668,9 @@ def _projections(lin, core: dict[str, Any], why: list[str]) -> tuple[dict[str, A
     attention: dict[str, Any] = {"in": tuple(n for n, *_ in att[:-1]), "out": att[-1][0] if att else ""}
     if shapes not in ([(h, qd), (h, kd), (h, kd), (qd, h)], [(h, qd + 2 * kd), (qd, h)]):
         why.append(f"its attention projections {shapes} are not q, k, v and out (or fused qkv and out)")
+    if moe:
+        attention["qkv_bias"], attention["out_bias"] = _biases(att, why, "attention")
+        return attention, {"in": (), "out": "", "bias": False}
     mshapes = [(x[1], x[2]) for x in mlp]
     mlp_part: dict[str, Any] = {"in": tuple(n for n, *_ in mlp[:-1]), "out": mlp[-1][0] if mlp else ""}
     if mshapes == [(h, 2 * inter), (inter, h)]:

@@ -606,10 +606,23 @@ class ModelSpec:
             else "the analytic evaluator itemizes it as a block of that shape where one traced block confirms "
             "its formulas, and traces it where not"
         )
+        mlp = f"{'gated' if f.gated_mlp else 'plain'} {f.activation or '?'} MLP"
+        if f.moe:
+            ws = self.shared_expert_width
+            mlp = (
+                f"{self.num_experts} routed {f.activation or '?'} experts {self.expert_width} wide, "
+                f"{self.experts_per_token} per token" + (f", a shared expert {ws} wide" if ws else "")
+            )
+        frozen = [n for n, _, _, part in self.linears() if part == "frozen"]
+        unadapted = (
+            f"; LoRA leaves {', '.join(frozen)} unadapted: PEFT turns a target of that name into LoRA on every "
+            "routed expert's weights (peft.utils.transformers_weight_conversion)"
+            if frozen
+            else ""
+        )
         return (
             f"{self.model_type} is no registered family: its {f.decoder_layer} block was read from the model "
-            f"transformers builds ({f.norm}, {'gated' if f.gated_mlp else 'plain'} {f.activation or '?'} MLP, "
-            f"{f.positions} positions); {how}"
+            f"transformers builds ({f.norm}, {mlp}, {f.positions} positions); {how}{unadapted}"
         )
 
     def _counted(self, key: str):
@@ -684,6 +697,8 @@ class ModelSpec:
     @property
     def shared_expert_width(self) -> int:
         """The shared expert's MLP width (Qwen2-MoE; 0: none)."""
+        if self.derived:  # read from the block's Linears beside its experts (DeepSeek's n_shared_experts wide)
+            return int(self._counted("shared_width") or 0)
         key = self.family.shared_expert_key
         return int(dict(self.hf_extra)[key]) if key else 0
 
@@ -754,7 +769,9 @@ class ModelSpec:
     def linears(self) -> list[tuple[str, int, int, str]]:
         """One block's Linear layers as ``(name, in, out, part)``, named as transformers names them.
 
-        ``part`` is ``attention`` or ``mlp``: what LoRA's ``attention`` targets select.
+        ``part`` is ``attention`` or ``mlp``: what LoRA's ``attention`` targets select; a derived
+        MoE block's shared-expert Linears that PEFT would turn into LoRA on the routed experts are
+        ``frozen``: no target selects them (``specs/derive.py``).
         Fused projections (phi3 ``qkv_proj``/``gate_up_proj``, gpt2 ``c_attn``) are one
         Linear, as PEFT and bitsandbytes see them. A derived spec lists its block's own.
         """
@@ -783,9 +800,13 @@ class ModelSpec:
     def lora_params(self, rank: int, targets: _Targets | None = None) -> int:
         """Trainable parameters LoRA adds: ``rank × (in + out)`` per targeted Linear.
 
-        ``targets``: a ``plan.LoraTargets`` (which says what it covers); None: every Linear.
+        ``targets``: a ``plan.LoraTargets`` (which says what it covers); None: every Linear LoRA can target.
         """
-        per_layer = sum(rank * (i + o) for _, i, o, part in self.linears() if targets is None or targets.covers(part))
+        per_layer = sum(
+            rank * (i + o)
+            for _, i, o, part in self.linears()
+            if (part != "frozen" if targets is None else targets.covers(part))
+        )
         return self.num_layers * per_layer
 
     def matrix_shapes(self) -> list[tuple[int, int, int]]:
@@ -1125,7 +1146,7 @@ def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelS
         raise SpecError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a config its own class refuses is the user's to fix
         raise SpecError(f"{where}: transformers cannot read it as a {model_type} config ({_first_line(exc)})") from None
-    extra = derive.extras(cfg, keys)
+    extra = {**derive.extras(cfg, keys), **{k: v for k, v in built.experts.items() if k != "shared_width"}}
     mappings = tuple(sorted(k for k, v in extra.items() if isinstance(v, Mapping)))
     family = tuple(sorted((k, _tuples(v)) for k, v in {**built.family, "keys": _frozen(keys)}.items()))
     formula = ModelSpec(
@@ -1134,7 +1155,9 @@ def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelS
         **core,
         source=source,
         hf_extra=tuple(sorted((k, _frozen(v)) for k, v in extra.items())),
-        derived=(("family", family), ("mappings", mappings)),
+        # the routed experts' fields are in hf_extra (the family's keys); the shared expert's width here
+        derived=(("family", family), ("mappings", mappings))
+        + ((("shared_width", built.experts["shared_width"]),) if built.experts else ()),
     )
     gap = built.analytic or _formula_gap(formula, built)
     counts = (("linears", built.linears), ("params", (built.embedding_params, built.layer_params, built.head_params)))
