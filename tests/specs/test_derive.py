@@ -101,7 +101,11 @@ def test_a_local_config_of_a_new_type_resolves(tmp_path):
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"model_type": "olmoe"}, "is a mixture of experts .* no routing assumption"),
+        ({"model_type": "jetmoe"}, "JetMoeParallelExperts.* no routing assumption for them"),
+        ({"model_type": "llama4_text"}, "Llama4TextExperts.* no routing assumption for them"),
+        ({"model_type": "olmoe", "output_router_logits": True}, "output_router_logits is true"),
+        ({"model_type": "deepseek_v3"}, "layers differ in size .* dense and mixture-of-experts layers"),
+        ({"model_type": "olmoe", "num_experts_per_tok": None}, "cannot read it as a olmoe config .*num_experts_per_tok"),
         ({"model_type": "mamba"}, "has no num_heads: autofit models transformer decoders"),
         ({"model_type": "rwkv"}, "autofit models transformer decoders"),
         ({"model_type": "internlm2", "hidden_size": 8}, "not one transformers implements"),
@@ -113,3 +117,42 @@ def test_what_cannot_be_derived_is_refused_in_one_line(config, message):
     with pytest.raises(SpecError, match=message) as exc:
         ModelSpec.from_hf_config(config, name="x")
     assert "\n" not in str(exc.value)
+
+
+# mixture-of-experts types no family describes whose experts transformers runs as grouped experts
+# (``use_experts_implementation``): read with the balanced-routing assumption
+MOE = ["olmoe", "gpt_oss", "granitemoe", "phimoe", "solar_open"]
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_a_derived_moe_counts_its_experts_as_transformers_builds_them(model_type):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.evaluators.test_derived import tiny_moe
+
+    spec = default_spec(model_type)
+    assert spec.family.moe and spec.n_params == built_params(spec) > 10**9
+    tiny = tiny_moe(model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **tiny.hf_config_kwargs()))
+    experts = next(m for m in model.modules() if hasattr(m, "has_gate"))
+    assert (tiny.num_experts, tiny.experts_per_token) == (experts.num_experts, 2) == (4, 2)
+    down = experts.down_proj.shape
+    assert tiny.expert_width == (down[1] if experts.is_transposed else down[2])
+    assert tiny.n_params == built_params(tiny)
+    assert tiny.routing_assumption.startswith("MoE routing: each token to 2 of 4 experts")
+    assert "4 routed" in tiny.derivation
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_the_derived_family_of_a_registered_moe_is_the_one_written_by_hand(model_type):
+    from transformers import AutoConfig
+
+    from autofit.specs.derive import derive
+
+    built = derive(AutoConfig.for_model(model_type))
+    written = FAMILIES[model_type]
+    keys = FIELDS + ["experts_key", "top_k_key", "expert_width_key"]
+    assert {k: built.family[k] for k in keys} == {k: getattr(written, k) for k in keys}
+    assert built.experts["shared_width"] == 0 and built.analytic == ""
