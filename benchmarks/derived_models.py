@@ -1,6 +1,6 @@
 """Model types no family describes, read from transformers (specs/derive.py), at their real sizes.
 
-    python benchmarks/derived_models.py [--gpus 1xA100-80GB] [--seq 2048] [--out benchmarks/results/FILE.md]
+    python benchmarks/derived_models.py [--gpus 1xA100-80GB] [--seq 2048] [--types a,b] [--out benchmarks/results/FILE.md]
 
 For each model type, its transformers default config (the size its config class describes): how
 long reading it takes, its parameter count, whether the analytic evaluator itemizes its block by
@@ -27,6 +27,8 @@ from autofit.specs import ModelSpec, Target, Workload, parse_cluster
 
 GiB = 2**30
 TYPES = ["starcoder2", "granite", "smollm3", "glm4", "gemma3_text", "olmo", "olmo2", "exaone4", "arcee"]
+# mixture-of-experts types (--types moe): read under the balanced-routing assumption
+MOE_TYPES = ["olmoe", "granitemoe", "phimoe", "solar_open", "gpt_oss"]
 PLANS = [
     Plan(precision="bf16-true", micro_batch=1, checkpointing="full"),
     Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=1),
@@ -48,12 +50,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="1xA100-80GB")
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--types", default="", help="comma-separated model types, or 'moe' (default: the dense list)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    types = MOE_TYPES if args.types == "moe" else [t for t in args.types.split(",") if t] or TYPES
     cache = TraceCache()
     specs, rows, ratios = [], [], {"formulas": [], "traced": []}
     t0 = time.perf_counter()
-    for model_type in TYPES:
+    for model_type in types:
         spec, took = read(model_type)
         why = traced.formulas_miss(spec)  # the modules' reason, or the formulas' check against one traced block
         how = f"traced: {why}" if why else "formulas (checked against one traced block)"
@@ -62,6 +66,8 @@ def main() -> int:
         )
         print(specs[-1], flush=True)
         for plan in PLANS:
+            if "sdpa" not in spec.family.attn_impls:  # GPT-OSS (attention sinks): eager
+                plan = plan.replace(attention="eager")
             ctx = Target(spec, parse_cluster(args.gpus), Workload(seq_len=args.seq, global_batch=plan.micro_batch))
             sim = SimulatedEvaluator(cache).evaluate(plan, ctx)
             t = time.perf_counter()
@@ -78,7 +84,8 @@ def main() -> int:
     lines = [
         f"# Model types no family describes ({time.strftime('%Y-%m-%d')})",
         "",
-        f"`python benchmarks/derived_models.py --gpus {args.gpus} --seq {args.seq}` on {platform.node() or 'CPU'} "
+        f"`python benchmarks/derived_models.py --gpus {args.gpus} --seq {args.seq}"
+        f"{' --types ' + args.types if args.types else ''}` on {platform.node() or 'CPU'} "
         f"({time.perf_counter() - t0:.0f} s). Each type at its transformers default config. Analytic / simulated "
         f"peak: {spans}. No GPU measured any of it.",
         "",

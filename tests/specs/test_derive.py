@@ -105,7 +105,10 @@ def test_a_local_config_of_a_new_type_resolves(tmp_path):
         ({"model_type": "llama4_text"}, "Llama4TextExperts.* no routing assumption for them"),
         ({"model_type": "olmoe", "output_router_logits": True}, "output_router_logits is true"),
         ({"model_type": "deepseek_v3"}, "layers differ in size .* dense and mixture-of-experts layers"),
-        ({"model_type": "olmoe", "num_experts_per_tok": None}, "cannot read it as a olmoe config .*num_experts_per_tok"),
+        (
+            {"model_type": "olmoe", "num_experts_per_tok": None},
+            "cannot read it as a olmoe config .*num_experts_per_tok",
+        ),
         ({"model_type": "mamba"}, "has no num_heads: autofit models transformer decoders"),
         ({"model_type": "rwkv"}, "autofit models transformer decoders"),
         ({"model_type": "internlm2", "hidden_size": 8}, "not one transformers implements"),
