@@ -567,8 +567,7 @@ def _family(
         qk_norm=qk_norm,
         **(experts.family if experts else {}),
     )
-    if experts:
-        why.extend(experts.why)
+    why.extend(experts.why if experts else ())
     if not shape:
         fam["norm_position"] = "pre"
     return fam, "; ".join(why)
