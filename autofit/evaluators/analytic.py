@@ -389,17 +389,26 @@ def _moe_transients(s: _Saves, model: ModelSpec, norm_out: str) -> tuple[float, 
     forward (``grouped_mm_experts_forward``'s locals live until it returns). Forward, at the
     inverse permutation of the weighted output: the residual, the norm's output where nothing
     saves it, the gathered input where the grouped GEMM does not save it (or saves its cast),
-    the fp32 weighted output before and after the permutation (the routing weights are fp32),
-    and the int64 sorted ids, inverse permutation and its arange. Backward, at the gate/up
-    GEMM's: the gradients of the down output (fp32 and its cast), of SiLU's output, of gate
-    and up, and of their concatenation. A recompute stops at the permutation's save of its
-    index, before the permuted copy (the third figure: what it never makes)."""
+    the weighted output before and after the permutation (fp32 where the routing weights are),
+    and the int64 sorted ids, inverse permutation and its arange. Backward, the larger of two
+    moments (a real CPU step's live set, Mixtral's block at hidden/width 256/2048, 256/256,
+    512/128 and 1024/256 in bf16 and fp32): as the routing weights' product runs backward, three
+    tensors of ``k × hidden`` per token in the weighted output's dtype (the un-permuted gradient,
+    its product with the weights, and the one for the weights' own gradient) and the gradient's
+    cast to the experts' dtype where it differs; as SiLU(gate)·up runs backward, the down GEMM's
+    input gradient and the gradients of SiLU's output and of up, ``k × width`` each (the down
+    output's gradients are gone by then).
+    A recompute stops at the permutation's save of its index, before the permuted copy (the
+    third figure: what it never makes)."""
     h, c, r = s.h, s.c, s.r
     k, w, ce = model.experts_per_token, model.expert_width, r  # the experts compute in the weights' dtype
+    # the weighted output's dtype: the experts' promoted with the routing weights' (fp32 where the
+    # router keeps them so, ``Family.router_fp32``; else the router logits', the compute dtype)
+    p = max(ce, 4 if model.family.router_fp32 else c)
     gathered = 0.0 if "experts.in" in s.saved and ce == c else k * h * c
-    fwd = h * r + (0.0 if norm_out in s.saved else h * c) + gathered + 2 * k * h * 4 + 3 * 8 * k
-    bwd = k * (h * (4 + ce) + w * ce + 2 * w * ce + 2 * w * ce)
-    return bwd, fwd, k * h * 4
+    fwd = h * r + (0.0 if norm_out in s.saved else h * c) + gathered + 2 * k * h * p + 3 * 8 * k
+    bwd = k * max(h * (3 * p + (ce if p != ce else 0)), 3 * w * ce)
+    return bwd, fwd, k * h * p
 
 
 def _plain_mlp(s: _Saves, model: ModelSpec) -> tuple[str, str, str]:

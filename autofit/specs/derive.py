@@ -174,7 +174,7 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
         head_params += sum(p.numel() for n, p in head.named_parameters() if not (tied and n == "weight"))
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
-    trace = _trace(model, block, attn, mlp)
+    trace = _trace(model, block, attn, mlp, experts.name if experts else "")
     fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final is not None, probes, experts)
     emb = total - len(layers) * layer_params - head_params
     moe = experts.config if experts else {}
@@ -298,6 +298,7 @@ def _router_loss(cfg: Any) -> None:
 class _Experts:
     """A block's routed experts, as transformers' ``use_experts_implementation`` runs them."""
 
+    name: str  # the experts module in the block (``mlp.experts``)
     child: str  # the block's child that holds them (``mlp``, GraniteMoE's ``block_sparse_moe``)
     family: Mapping[str, str]  # the Family's MoE fields: the config keys of count, top-k and width
     config: Mapping[str, int]  # those keys' values, and "shared_width" (the shared expert's; 0: none)
@@ -367,7 +368,7 @@ def _experts(cfg: Any, block) -> _Experts | None:
     jitter = [k for k in ("router_jitter_noise", "input_jitter_noise") if getattr(cfg, k, None)]
     if jitter:
         why.append(f"its router adds noise ({jitter[0]} = {getattr(cfg, jitter[0])})")
-    return _Experts(name.split(".", 1)[0], family, config, tuple(why))
+    return _Experts(name, name.split(".", 1)[0], family, config, tuple(why))
 
 
 def _config_key(cfg: Any, d: Mapping[str, Any], keys: tuple[str, ...], value: int, what: str) -> str:
@@ -399,11 +400,13 @@ class _Trace:
     order: tuple[str, ...]  # the block's children (and its attention's norms) in call order
     reads_input: frozenset[str]  # those whose first argument is the block's input
     reads: Mapping[str, str]  # child -> the child whose output it reads ("" when none)
+    router_fp32: bool = False  # the experts got fp32 routing weights beside 16-bit hidden states
 
 
-def _trace(model, block, attn, mlp) -> _Trace:
+def _trace(model, block, attn, mlp, experts: str) -> _Trace:
     """One forward on fake tensors, recording the order in which the first block calls its
-    children and the tensors they read (identity of fake tensors)."""
+    children and the tensors they read (identity of fake tensors), and the dtype of the routing
+    weights its ``experts`` module is given (the model is bf16 here)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -436,7 +439,15 @@ def _trace(model, block, attn, mlp) -> _Trace:
 
         return hook
 
+    routed: list[bool] = []
+
+    def routing(module, args, kwargs) -> None:  # experts(hidden_states, top_k_index, top_k_weights)
+        weights = args[2] if len(args) > 2 else kwargs.get("top_k_weights")
+        routed.append(isinstance(weights, torch.Tensor) and weights.dtype == torch.float32)
+
     hooks = [block.register_forward_pre_hook(reads(""), with_kwargs=True)]
+    if experts:
+        hooks.append(_module(block, experts).register_forward_pre_hook(routing, with_kwargs=True))
     for name, m in watched.items():
         hooks.append(m.register_forward_pre_hook(reads(name), with_kwargs=True))
         hooks.append(m.register_forward_hook(wrote(name)))
@@ -452,7 +463,8 @@ def _trace(model, block, attn, mlp) -> _Trace:
         for h in hooks:
             h.remove()
     reads = {n: outputs.get(i, "") for n, i in inputs.items()}
-    return _Trace(tuple(order), frozenset(n for n, i in inputs.items() if block_in and i == block_in[0]), reads)
+    first_in = frozenset(n for n, i in inputs.items() if block_in and i == block_in[0])
+    return _Trace(tuple(order), first_in, reads, bool(routed and routed[0]))
 
 
 def _record(name: str, out, order: list[str], outputs: dict[int, str]) -> None:
@@ -565,7 +577,7 @@ def _family(
         rotary_key="partial_rotary_factor" if rotary < 1 else "",
         rotary_default=rotary,
         qk_norm=qk_norm,
-        **(experts.family if experts else {}),
+        **({**experts.family, "router_fp32": trace.router_fp32} if experts else {}),
     )
     why.extend(experts.why if experts else ())
     if not shape:

@@ -121,6 +121,10 @@ class Family:
     # MLP of nn.Linear layers named by mlp_in/mlp_out, scaled by the sigmoid of
     # ``shared_expert_gate``, a hidden -> 1 Linear): the config key of its width ("": none)
     shared_expert_key: str = ""
+    # the router's top-k weights stay fp32 (``MixtralTopKRouter``: softmax in fp32, no cast back),
+    # so the experts' weighted output and its gradients are fp32; else they are cast to the router
+    # logits' dtype (Qwen2/3-MoE, OLMoE)
+    router_fp32: bool = False
 
     def config_key(self, name: str) -> str:
         """The config field under its llama ``name``, as this family's config names it ("": none)."""
@@ -201,6 +205,7 @@ FAMILIES: dict[str, Family] = {
             **{**_LLAMA_LIKE, "mlp_in": (), "mlp_out": "", "liger": False},
             experts_key="num_local_experts",
             top_k_key="num_experts_per_tok",
+            router_fp32=True,
             config_fixed={
                 "router_jitter_noise": (0.0, (None, 0, 0.0)),
                 "output_router_logits": (False, (None, False)),

@@ -170,11 +170,9 @@ MOE_ANALYTIC = [
 @pytest.mark.parametrize("model_type", ["olmoe", "solar_open", "granitemoe"])
 def test_the_analytic_answer_on_a_derived_moe(model_type):
     """Against the simulated trace on an A100 (3 layers): weights and optimizer within 2%, FLOPs
-    within 5% (the experts' grouped GEMMs under the balanced routing), and the peak never more than
-    2% under. It may be up to 12% over: the experts' backward transients (``analytic._moe_transients``,
-    as for the registered MoE families) are over-counted where the experts are much wider than the
-    hidden size (704 against 256 here; registered Mixtral at that width is 8% over, 0.4-0.8% over at
-    its real size)."""
+    within 5% (the experts' grouped GEMMs under the balanced routing), and the peak within 2%
+    under and 6% over (measured: GraniteMoE, itemized by the formulas, 1.000-1.006; OLMoE and
+    Solar-Open, traced, 0.985-1.042)."""
     from autofit.evaluators.analytic import AnalyticEvaluator
     from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
 
@@ -184,7 +182,7 @@ def test_the_analytic_answer_on_a_derived_moe(model_type):
             plan = plan.replace(attention="eager")
         ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=plan.micro_batch))
         sim, ana = SimulatedEvaluator(cache).evaluate(plan, ctx), AnalyticEvaluator().evaluate(plan, ctx)
-        assert 0.98 <= ana.memory.peak_allocated / sim.memory.peak_allocated <= 1.12, plan.summary()
+        assert 0.98 <= ana.memory.peak_allocated / sim.memory.peak_allocated <= 1.06, plan.summary()
         for comp in ("weights", "optimizer"):
             assert getattr(ana.memory, comp) == pytest.approx(getattr(sim.memory, comp), rel=0.02)
         assert ana.throughput.flops_per_step == pytest.approx(sim.throughput.flops_per_step, rel=0.05)

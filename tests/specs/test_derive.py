@@ -148,14 +148,16 @@ def test_a_derived_moe_counts_its_experts_as_transformers_builds_them(model_type
     assert "4 routed" in tiny.derivation
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_derived_family_of_a_registered_moe_is_the_one_written_by_hand(model_type):
     from transformers import AutoConfig
 
     from autofit.specs.derive import derive
 
-    built = derive(AutoConfig.for_model(model_type))
+    cfg = AutoConfig.for_model(model_type)
+    built = derive(cfg)
     written = FAMILIES[model_type]
-    keys = FIELDS + ["experts_key", "top_k_key", "expert_width_key"]
+    keys = FIELDS + ["experts_key", "top_k_key", "expert_width_key", "router_fp32"]
     assert {k: built.family[k] for k in keys} == {k: getattr(written, k) for k in keys}
-    assert built.experts["shared_width"] == 0 and built.analytic == ""
+    shared = getattr(cfg, written.shared_expert_key) if written.shared_expert_key else 0
+    assert built.experts["shared_width"] == shared and built.analytic == ""
