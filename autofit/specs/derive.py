@@ -262,16 +262,16 @@ def _peft_remaps(model_type: str) -> frozenset[str]:
 
 
 def _linears(block, attn, remapped: frozenset[str]) -> list[tuple[str, int, int, str, bool]]:
-    """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order:
-    those of type ``nn.Linear`` itself, as transformers' ``replace_with_bnb_linear`` quantizes them
-    (``integrations/bitsandbytes.py``), not a subclass (PhiMoE's router, which returns a tuple).
+    """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order.
+    A router is none, though PhiMoE's subclasses ``nn.Linear``: it returns a tuple, which a PEFT
+    wrapper breaks, and transformers' ``replace_with_bnb_linear`` leaves subclasses unquantized.
     ``part``: ``attention``, ``mlp``, or ``frozen`` for a Linear LoRA cannot target by name
     (``remapped``: PEFT adapts the routed experts instead, :func:`_peft_remaps`)."""
     import torch
 
     out = []
     for name, m in block.named_modules():
-        if type(m) is torch.nn.Linear:
+        if isinstance(m, torch.nn.Linear) and not hasattr(m, "top_k"):  # routers carry their top-k
             i, o = m.in_features, m.out_features
         elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
             i, o = m.weight.shape
