@@ -189,6 +189,9 @@ class Plan:
     # Liger's fused RMSNorm, SwiGLU and RoPE kernels in every block (the Trainer's
     # use_liger_kernel; autofit.evaluators.fused stands in for them off CUDA)
     fused_kernels: bool = False
+    # ranks that split each sequence (context parallelism: torch's ring attention over FSDP2,
+    # accelerate's ParallelismConfig(cp_size=N)); the data-parallel ranks are world / N
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -200,7 +203,7 @@ class Plan:
                 object.__setattr__(self, name, enum(value))
             except ValueError:
                 problems.append(f"{name} must be one of {enum.choices_text()}, got {value!r}")
-        for name in ("micro_batch", "grad_accum"):
+        for name in ("micro_batch", "grad_accum", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
@@ -248,6 +251,10 @@ class Plan:
             return "fsdp"
         return "torch"
 
+    def data_parallel(self, world: int) -> int:
+        """Ranks that train on different sequences: the world over the context-parallel group."""
+        return max(1, world // self.context_parallel)
+
     @property
     def zero_stage(self) -> int:
         return {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}.get(self.sharding, 0)
@@ -293,6 +300,8 @@ class Plan:
             if self.offload is not Offload.NONE:
                 shard += f"+offload({self.offload.value}→{self.offload_device.value})"
             parts.append(shard)
+        if self.context_parallel > 1:
+            parts.append(f"cp{self.context_parallel}")
         if self.packing:
             parts.append("packed")
         if self.fused_loss:
@@ -315,6 +324,7 @@ _LATER_FIELDS = {
     "optimizer_in_backward": False,
     "fused_kernels": False,
     "checkpoint_ops": False,
+    "context_parallel": 1,
 }
 
 
@@ -375,12 +385,15 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         )
 
     # batch semantics
-    if plan.micro_batch * plan.grad_accum * world != workload.global_batch:
+    dp = plan.data_parallel(world)
+    if plan.micro_batch * plan.grad_accum * dp != workload.global_batch:
         p.append(
             f"micro_batch × grad_accum × data-parallel ranks = {plan.micro_batch} × {plan.grad_accum} × "
-            f"{world} = {plan.micro_batch * plan.grad_accum * world}, but the global batch is "
+            f"{dp} = {plan.micro_batch * plan.grad_accum * dp}, but the global batch is "
             f"{workload.global_batch}: pick a factorization of {workload.global_batch}"
         )
+    if plan.context_parallel > 1:
+        p += _context_parallel_problems(plan, model, world, workload)
 
     # sharding and offload
     if world == 1 and plan.sharding is not Sharding.NONE and plan.offload is Offload.NONE:
@@ -402,6 +415,36 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
             "use adamw, or sharding zero1/zero2"
         )
+    return p
+
+
+def _context_parallel_problems(plan: Plan, model: ModelSpec, world: int, workload: Workload) -> list[str]:
+    """Where torch's context parallelism runs as accelerate 1.16 and the Trainer launch it."""
+    cp, p = plan.context_parallel, []
+    if world % cp:
+        p.append(f"context_parallel {cp} must divide the {world} GPUs (each rank holds 1/{cp} of every sequence)")
+    if plan.sharding is not Sharding.FSDP:
+        # accelerate.parallelism_config: cp_backend "torch" composes with FSDP2 only
+        p.append("context parallelism runs on FSDP2 only (accelerate's ParallelismConfig): use --sharding fsdp")
+    if plan.attention is not Attention.SDPA:
+        # transformers Trainer._prepare_context_parallel_inputs refuses any other attention
+        p.append("context parallelism runs sdpa attention only (torch's ring attention): use --attention sdpa")
+    if model.family.task != "causal-lm":
+        p.append(f"context parallelism's load balancing needs causal attention; {model.model_type} is not causal")
+    if workload.seq_len % (2 * cp):
+        # torch's round-robin load balancer cuts each sequence into 2 × cp chunks
+        p.append(
+            f"context parallelism {cp} cuts every sequence into {2 * cp} chunks: --seq-len must divide by {2 * cp}"
+        )
+    if workload.lengths is not None or plan.packing:
+        # accelerate replaces the mask by is_causal in SDPA: padding and packed rows would attend across
+        p.append(
+            "context parallelism needs full-length rows (accelerate drops the attention mask for is_causal): "
+            "give no --lengths, or drop --context-parallel"
+        )
+    for flag, on in (("--fused-loss", plan.fused_loss), ("--offload-activations", plan.offload_activations)):
+        if on:
+            p.append(f"{flag} with context parallelism is not modelled: drop one of them")
     return p
 
 

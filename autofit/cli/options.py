@@ -226,6 +226,14 @@ def plan_options(fn: Callable) -> Callable:
             help="Step each parameter as soon as its gradient is made, and free it (torchtune's optimizer_in_bwd; "
             "one GPU, grad_accum 1).",
         ),
+        click.option(
+            "--context-parallel",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Split every sequence over N GPUs (torch's ring attention over FSDP2: --sharding fsdp, sdpa; "
+            "accelerate's ParallelismConfig cp_size). Data-parallel ranks: GPUs / N.",
+        ),
     ]
     for d in reversed(decorators):
         fn = d(fn)

@@ -29,7 +29,7 @@ import functools
 import time
 from dataclasses import dataclass, replace
 
-from autofit.evaluators import costs, timing
+from autofit.evaluators import context, costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Method, Offload, Optimizer, Plan, Precision
 from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
@@ -782,6 +782,9 @@ class Estimate:
 def _tokens(plan: Plan, workload: Workload) -> tuple[int, int, float, float]:
     """(memory tokens, attended length, expected computed tokens, keys per token) per micro-batch."""
     mb, s = plan.micro_batch, workload.seq_len
+    if plan.context_parallel > 1:  # rows of s/cp tokens whose queries meet all s keys (evaluators.context)
+        local = context.local_workload(plan, workload).seq_len
+        return mb * local, local, mb * local, float(s)
     if plan.packing:
         t_mem = workload.packed_tokens_peak(mb)
         t_time = mb * workload.mean_tokens
@@ -1184,7 +1187,11 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
     blk, act, t_mem, s, t_time, keys = _micro_batch(plan, ctx)
     ms = _model_states(model, plan, ctx)
     offloaded = _offloaded(plan, act, ms)
-    memory, phase = _anatomy(_moments(model, plan, act, ms, blk, t_mem, s), ctx, ms.st, offloaded)
+    moments = _moments(model, plan, act, ms, blk, t_mem, s)
+    ring = context.ring_transient(model, plan, t_mem)  # at every moment, as the simulator adds it at its peak
+    for m in moments.values():
+        m["temporary"] += ring
+    memory, phase = _anatomy(moments, ctx, ms.st, offloaded)
     throughput = timing.throughput(
         step_work(plan, ctx, ms.sb, t_time, keys, act.block, offloaded * t_time / t_mem),
         cluster,
@@ -1316,7 +1323,7 @@ def step_work(
         backward=backward,
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        transfers=costs.transfer_work(plan, model, cluster, sb, offloaded),
+        transfers=context.with_ring(costs.transfer_work(plan, model, cluster, sb, offloaded), model, plan, T, rc),
         model_flops=plan.grad_accum * model_flops,
     )
 
@@ -1489,5 +1496,6 @@ class AnalyticEvaluator(Evaluator):
                 **costs.fit_margin_extra(margin, est.memory, ctx.budget_bytes),
                 **model_notes(ctx.model, plan),
                 **_block_note(ctx.model),
+                **context.note(plan, ctx.workload),
             },
         )

@@ -14,6 +14,7 @@ docs/EVALUATORS.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.errors import AutofitError
-from autofit.evaluators import costs, moe, timing, unroll
+from autofit.evaluators import context, costs, moe, timing, unroll
 from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.evaluators.unroll import Depth
@@ -31,7 +32,7 @@ from autofit.plan import Attention, Checkpointing, Method, Offload, Plan
 from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
-from autofit.techniques import model_notes
+from autofit.techniques import checkpointed_layers, model_notes
 
 FLASH2_IMPL = "autofit_fa2"  # a name with "flash" in it is taken for a hub kernel
 CACHE_SIZE = 64
@@ -985,6 +986,8 @@ def anatomy(trace: Trace, plan: Plan, ctx: Target, alloc: AllocatorConfig | None
     workspaces and the caching allocator's pool replayed from the trace (:func:`reserved`)."""
     rm = rank_memory(trace, plan, ctx)
     comp = {k: rm.components.get(k, 0) for k in TENSOR_COMPONENTS}
+    # the ring attention's buffers, which the traced local step has not (evaluators.context)
+    comp["temporary"] += int(context.ring_transient(ctx.model, plan, trace.tokens))
     host = trace.offloaded  # pinned copies of one micro-batch's activations
     if plan.offload is not Offload.NONE:
         sb = costs.state_bytes(ctx.model, plan)
@@ -1044,15 +1047,23 @@ def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
         optimizer = timing.PhaseWork(
             gemms=optimizer.gemms, memory_bytes=optimizer.memory_bytes / dp, kernels=optimizer.kernels
         )
+    forward, backward = trace.ops.work("forward", n), trace.ops.work("backward", n)
     flops_micro = (trace.ops.flops("forward") + trace.ops.flops("backward")) / n
+    cp = context.attention_scale(plan)
+    if cp > 1:  # the local step's queries met s/cp keys; a rank's meet all s (evaluators.context)
+        flops_micro += (cp - 1) * (forward.attention + backward.attention)
+        forward = dataclasses.replace(forward, attention=forward.attention * cp)
+        backward = dataclasses.replace(backward, attention=backward.attention * cp)
+    transfers = costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan), trace.offloaded)
+    recomputed = sum(checkpointed_layers(plan, model.num_layers)) / model.num_layers
     return timing.StepWork(
         dtype=costs.compute_dtype(plan),
         attention_kernel=trace.ops.attention_kernel(),
-        forward=trace.ops.work("forward", n),
-        backward=trace.ops.work("backward", n),
+        forward=forward,
+        backward=backward,
         optimizer=optimizer,
         micro_batches=plan.grad_accum,
-        transfers=costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan), trace.offloaded),
+        transfers=context.with_ring(transfers, model, plan, trace.tokens, recomputed),
         model_flops=plan.grad_accum * flops_micro,
     )
 
@@ -1080,7 +1091,9 @@ class SimulatedEvaluator(Evaluator):
         alloc = AllocatorConfig.from_env()  # PYTORCH_CUDA_ALLOC_CONF: a bad value is the user's error, raised
         hits = self.cache.hits
         try:
-            trace = self.cache.get(ctx.model, plan, ctx.workload, target)
+            # a context-parallel rank: the step on its rows of s/cp tokens (evaluators.context)
+            local = context.local_workload(plan, ctx.workload)
+            trace = self.cache.get(ctx.model, plan.replace(context_parallel=1), local, target)
             mem, phase = anatomy(trace, plan, ctx, alloc)
             tput = throughput(trace, plan, ctx)
         except Exception as exc:  # noqa: BLE001 - a plan that cannot be traced is a failed trial
@@ -1113,6 +1126,7 @@ class SimulatedEvaluator(Evaluator):
                 + (f" sm{target.capability[0]}{target.capability[1]}" if target.kind == "cuda" else ""),
                 **costs.fit_margin_extra(margin, mem, ctx.budget_bytes),
                 **model_notes(ctx.model, plan),
+                **context.note(plan, ctx.workload),
                 **({"allocator_conf": alloc.describe()} if ctx.cluster.gpu.kind == "cuda" else {}),
             },
         )

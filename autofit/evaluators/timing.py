@@ -124,11 +124,12 @@ class PhaseWork:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all-reduce | all-gather | reduce-scatter
+    kind: str  # all-reduce | all-gather | reduce-scatter | send (to the next rank of a ring)
     nbytes: float  # payload per call
     calls: float = 1.0  # calls per micro-batch or step
     per: str = "micro"  # "micro" (every micro-batch) or "step" (once per optimizer step)
     hidden_by: tuple[str, ...] = ()  # phases whose compute it overlaps
+    group: int = 0  # ranks it runs over (0: every rank); a group within a node takes the node's links
 
 
 @dataclass(frozen=True)
@@ -168,14 +169,17 @@ class StepTime:
 
 
 def _collective_seconds(c: Collective, cluster: ClusterSpec, p: TimeParams) -> float:
-    n = cluster.world_size
+    n = c.group or cluster.world_size
     if n <= 1 or c.nbytes <= 0:
         return 0.0
-    factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}[c.kind] * (n - 1) / n
+    if c.kind == "send":
+        factor = 1.0
+    else:
+        factor = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}[c.kind] * (n - 1) / n
     # the bus bandwidth of a ring: the GPUs' own links inside a node; across nodes the
     # node's whole fabric, which NCCL's channels share (specs.cluster.DEFAULT_INTER_NODE_GBPS)
     bw = cluster.gpu.intra_node_gbps
-    if cluster.nodes > 1:
+    if cluster.nodes > 1 and n > cluster.gpus_per_node:
         bw = min(bw, cluster.inter_node_gbps)
     per_call = factor * c.nbytes / (bw * p.link_efficiency * 1e9) + p.collective_latency_s * math.log2(n)
     return c.calls * per_call

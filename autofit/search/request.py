@@ -71,7 +71,8 @@ def build_context(
     if global_batch is None:
         opts = plan_opts or {}
         if opts.get("micro_batch") is not None and opts.get("grad_accum") is not None:
-            global_batch = opts["micro_batch"] * opts["grad_accum"] * cluster.world_size
+            cp = opts.get("context_parallel") or 1
+            global_batch = opts["micro_batch"] * opts["grad_accum"] * max(1, cluster.world_size // cp)
         else:
             # whole sequences per GPU
             global_batch = -(-DEFAULT_GLOBAL_BATCH // cluster.world_size) * cluster.world_size
@@ -142,12 +143,15 @@ def build_plan(ctx: Target, **opts: Any) -> Plan:
         opts.setdefault("checkpoint_every", DEFAULT_CHECKPOINT_EVERY)
     mb = opts.get("micro_batch", 1)
     if "grad_accum" not in opts:
-        per_step = mb * ctx.cluster.world_size
+        cp = opts.get("context_parallel", 1)
+        dp = ctx.cluster.world_size // cp if isinstance(cp, int) and cp >= 1 else ctx.cluster.world_size
+        per_step = mb * max(1, dp)
         if ctx.workload.global_batch % per_step:
+            ranks = f"{ctx.cluster.world_size} GPUs / context-parallel {cp}" if cp != 1 else "GPUs"
             raise PlanError(
                 [
-                    f"the global batch {ctx.workload.global_batch} is not divisible by micro_batch × GPUs = "
-                    f"{mb} × {ctx.cluster.world_size}; pick another --micro-batch or --global-batch"
+                    f"the global batch {ctx.workload.global_batch} is not divisible by micro_batch × {ranks} = "
+                    f"{mb} × {max(1, dp)}; pick another --micro-batch or --global-batch"
                 ]
             )
         opts["grad_accum"] = ctx.workload.global_batch // per_step

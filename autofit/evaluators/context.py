@@ -1,0 +1,123 @@
+"""Context parallelism: one rank's share of sequences split over ``cp`` ranks.
+
+What runs is torch's context parallelism as accelerate 1.16 and the Trainer launch it
+(``ParallelismConfig(cp_size=N)`` over FSDP2; ``Accelerator.maybe_context_parallel``;
+``Trainer._prepare_context_parallel_inputs`` shards ``input_ids``, ``labels``,
+``shift_labels`` and ``position_ids``). torch's load balancer
+(``torch/distributed/tensor/experimental/_context_parallel``) cuts every sequence into
+``2·cp`` chunks and gives rank ``r`` chunks ``r`` and ``2cp-1-r``, so every rank holds
+``s/cp`` tokens of each row and its queries meet the same share of the causal keys.
+Everything outside attention runs on those tokens as the model runs on rows of ``s/cp``
+tokens: projections, MLP, norms, the logits and the loss. A rank is therefore evaluated as
+the same model's step on rows of ``s/cp`` tokens (:func:`local_workload`: what the
+simulator traces and the analytic formulas itemize), and three things are added:
+
+- **attention FLOPs × cp**: each local query attends over the whole row's keys (causal: half
+  of them), against ``s/cp`` of them in the local step (:func:`attention_scale`);
+- **the ring's buffers** beside one attention call (:func:`ring_transient`), read from
+  ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` (torch 2.13) with
+  accelerate's default ``cp_comm_strategy="allgather"`` (``_AllGatherRotater``) and torch's
+  defaults ``convert_to_f32=True``, ``enable_load_balance=True``:
+
+  - forward: the keys and values concatenated (``torch.cat([key.flatten(),
+    value.flatten()])``), their all-gather over the group (``cp`` times that), and the
+    ``_SDPAMerger``'s fp32 merge of each chunk's output (the running output, the chunk's
+    output and its fp32 copy, ``out - block_out`` and its product with the LSE weight);
+  - backward: fp32 accumulators for the query, key and value gradients, the gathered keys
+    and values again, the kernel's 16-bit gradients of one chunk, and the fp32 key/value
+    gradients sent to the next rank and received from the previous one (its
+    ``_AllToAllRotater``);
+
+  the larger of the two is added to the rank's temporaries at its peak: an upper bound, as
+  they live only inside an attention call;
+- **the exchanges on the link** (:func:`ring_collectives`): per layer and micro-batch one
+  all-gather of keys and values in forward, in the recompute of a checkpointed block, and in
+  backward, and ``cp`` sends of the fp32 key/value gradients in backward; counted exposed
+  (the all-gather overlaps only the first, local chunk's kernel).
+
+The key width is the model's key/value heads: with no attention mask (context parallelism
+has none) transformers' ``sdpa_attention_forward`` passes grouped keys unrepeated
+(``use_gqa_in_sdpa``).
+
+Why not traced: the ring needs a process group, and torch 2.13 registers its handlers for the
+CUDA SDPA kernels only (on the CPU, ``aten._scaled_dot_product_flash_attention_for_cpu`` has
+no sharding strategy: docs/FIELD-NOTES.md), so the step cannot run on fake CPU tensors as it
+is. The simulator traces the local step and adds these terms from the same functions as the
+analytic evaluator; the answer says so (:func:`note`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autofit.evaluators import costs, timing
+from autofit.plan import Plan
+from autofit.specs import ModelSpec, Workload
+
+
+def local_workload(plan: Plan, workload: Workload) -> Workload:
+    """The rows one rank runs: ``s/cp`` tokens each (plan_problems: full-length rows only)."""
+    if plan.context_parallel == 1:
+        return workload
+    return dataclasses.replace(workload, seq_len=workload.seq_len // plan.context_parallel)
+
+
+def attention_scale(plan: Plan) -> int:
+    """A rank's attention FLOPs over those of its local step (rows of ``s/cp`` tokens)."""
+    return plan.context_parallel
+
+
+def _widths(model: ModelSpec, plan: Plan, tokens: float) -> tuple[float, float, int]:
+    """(query elements, key elements, 16-bit bytes) of one attention call on ``tokens`` local tokens."""
+    cb = 4 if costs.compute_dtype(plan) == "fp32" else 2
+    return tokens * model.q_dim, tokens * model.kv_dim, cb
+
+
+def ring_transient(model: ModelSpec, plan: Plan, tokens: float) -> float:
+    """The ring's own bytes beside one attention call of a micro-batch with ``tokens`` local tokens."""
+    cp = plan.context_parallel
+    if cp == 1:
+        return 0.0
+    q, k, cb = _widths(model, plan, tokens)
+    # forward: the concatenated and the gathered keys and values; the merge's fp32 output,
+    # the chunk's output in 16 and 32 bits, its difference and the weighted difference
+    forward = 2 * k * cb * (cp + 1) + q * (16 + cb)
+    # backward: fp32 dq, dk, dv; the gathered and concatenated keys and values; one chunk's
+    # 16-bit dq, dk, dv; the fp32 dk, dv sent and received
+    backward = q * 4 + k * 8 + 2 * k * cb * (cp + 1) + (q + 2 * k) * cb + 2 * k * 8
+    return max(forward, backward)
+
+
+def ring_collectives(model: ModelSpec, plan: Plan, tokens: float, recomputed: float) -> tuple[timing.Collective, ...]:
+    """The ring's exchanges per micro-batch of ``tokens`` local tokens; ``recomputed``: the share of
+    blocks a checkpointed backward runs forward again."""
+    cp = plan.context_parallel
+    if cp == 1:
+        return ()
+    _, k, cb = _widths(model, plan, tokens)
+    L = model.num_layers
+    gathered = cp * 2 * k * cb
+    return (
+        timing.Collective("all-gather", gathered, L * (2 + recomputed), "micro", (), group=cp),
+        timing.Collective("send", 2 * k * 4, L * cp, "micro", (), group=cp),
+    )
+
+
+def with_ring(transfers: timing.Transfers, model: ModelSpec, plan: Plan, tokens: float, recomputed: float):
+    """``transfers`` with the ring's exchanges added."""
+    ring = ring_collectives(model, plan, tokens, recomputed)
+    return dataclasses.replace(transfers, collectives=transfers.collectives + ring) if ring else transfers
+
+
+def note(plan: Plan, workload: Workload) -> dict[str, str]:
+    """What the answer states about a context-parallel plan (``TrialResult.extra``)."""
+    cp = plan.context_parallel
+    if cp == 1:
+        return {}
+    return {
+        "context_parallel": (
+            f"each rank runs {workload.seq_len // cp} of every row's {workload.seq_len} tokens (torch's ring "
+            f"attention over {cp} ranks, round-robin load balance); the ring's buffers and exchanges are "
+            "counted from torch 2.13's code, not traced"
+        )
+    }
