@@ -442,9 +442,14 @@ def _context_parallel_problems(plan: Plan, model: ModelSpec, world: int, workloa
             "context parallelism needs full-length rows (accelerate drops the attention mask for is_causal): "
             "give no --lengths, or drop --context-parallel"
         )
-    for flag, on in (("--fused-loss", plan.fused_loss), ("--offload-activations", plan.offload_activations)):
-        if on:
-            p.append(f"{flag} with context parallelism is not modelled: drop one of them")
+    if plan.fused_loss and not model.family.liger:
+        # Liger's lce_forward takes the Trainer's shift_labels; autofit's chunked fallback does not
+        p.append(
+            f"--fused-loss with context parallelism needs Liger's kernel, which has none for {model.model_type}: "
+            "drop one of them"
+        )
+    if plan.offload_activations:
+        p.append("--offload-activations with context parallelism is not modelled: drop one of them")
     return p
 
 

@@ -24,9 +24,9 @@ simulator traces and the analytic formulas itemize), and three things are added:
     ``_SDPAMerger``'s fp32 merge of each chunk's output (the running output, the chunk's
     output and its fp32 copy, ``out - block_out`` and its product with the LSE weight);
   - backward: fp32 accumulators for the query, key and value gradients, the gathered keys
-    and values again, the kernel's 16-bit gradients of one chunk, and the fp32 key/value
-    gradients sent to the next rank and received from the previous one (its
-    ``_AllToAllRotater``);
+    and values again, the kernel's gradients of two chunks (the last chunk's are held until
+    the next call returns), the fp32 key/value gradients sent to the next rank and received
+    from the previous one (its ``_AllToAllRotater``), and ``_partial_update``'s copy of them;
 
   the larger of the two is added to the rank's temporaries at its peak: an upper bound, as
   they live only inside an attention call;
@@ -67,25 +67,39 @@ def attention_scale(plan: Plan) -> int:
     return plan.context_parallel
 
 
-def _widths(model: ModelSpec, plan: Plan, tokens: float) -> tuple[float, float, int]:
-    """(query elements, key elements, 16-bit bytes) of one attention call on ``tokens`` local tokens."""
+def _widths(model: ModelSpec, plan: Plan, tokens: float) -> tuple[float, float, float, int]:
+    """(query elements, key elements, logsumexp rows, element bytes) of one attention call on
+    ``tokens`` local tokens."""
     cb = 4 if costs.compute_dtype(plan) == "fp32" else 2
-    return tokens * model.q_dim, tokens * model.kv_dim, cb
+    return tokens * model.q_dim, tokens * model.kv_dim, tokens * model.num_heads, cb
 
 
 def ring_transient(model: ModelSpec, plan: Plan, tokens: float) -> float:
     """The ring's own bytes beside one attention call of a micro-batch with ``tokens`` local tokens."""
-    cp = plan.context_parallel
-    if cp == 1:
+    if plan.context_parallel == 1:
         return 0.0
-    q, k, cb = _widths(model, plan, tokens)
-    # forward: the concatenated and the gathered keys and values; the merge's fp32 output,
-    # the chunk's output in 16 and 32 bits, its difference and the weighted difference
-    forward = 2 * k * cb * (cp + 1) + q * (16 + cb)
-    # backward: fp32 dq, dk, dv; the gathered and concatenated keys and values; one chunk's
-    # 16-bit dq, dk, dv; the fp32 dk, dv sent and received
-    backward = q * 4 + k * 8 + 2 * k * cb * (cp + 1) + (q + 2 * k) * cb + 2 * k * 8
-    return max(forward, backward)
+    return max(ring_bytes(*_widths(model, plan, tokens), plan.context_parallel))
+
+
+def ring_bytes(q: float, k: float, rows: float, cb: int, cp: int) -> tuple[float, float]:
+    """(forward, backward) bytes the ring holds beyond one local kernel call, for ``q`` query and
+    ``k`` key elements and ``rows`` logsumexp rows per rank, in ``cb``-byte elements.
+
+    Each buffer is counted alive until the loop's next step has made its successor: how long a
+    buffer lives depends on when the collective that reads it completes (the measured excess
+    varies from run to run by whole buffers). Checked against torch's own functions run on 2 and
+    4 CPU ranks (tests/evaluators/test_context.py): from 4% under to 22% over the worst rank's
+    excess in three runs."""
+    lse = 2 * rows * 4  # two chunks' fp32 logsumexp
+    # forward: the concatenated and the gathered keys and values; the merge's fp32 output, the
+    # chunk's fp32 copy (none in fp32), its difference and the weighted difference; two chunks'
+    # kernel outputs
+    forward = 2 * k * cb * (cp + 1) + q * (12 + (4 if cb != 4 else 0) + 2 * cb) + lse
+    # backward: fp32 dq, dk, dv; the gathered and concatenated keys and values; two chunks' kernel
+    # gradients and a partial step's half-query one; the fp32 dk, dv sent, received, and copied by
+    # _partial_update (a torch.cat)
+    backward = 4 * q + 8 * k + 2 * k * cb * (cp + 1) + 2 * (q + 2 * k) * cb + q * cb / 2 + 24 * k + lse
+    return forward, backward
 
 
 def ring_collectives(model: ModelSpec, plan: Plan, tokens: float, recomputed: float) -> tuple[timing.Collective, ...]:
@@ -94,7 +108,7 @@ def ring_collectives(model: ModelSpec, plan: Plan, tokens: float, recomputed: fl
     cp = plan.context_parallel
     if cp == 1:
         return ()
-    _, k, cb = _widths(model, plan, tokens)
+    _, k, _, cb = _widths(model, plan, tokens)
     L = model.num_layers
     gathered = cp * 2 * k * cb
     return (

@@ -78,7 +78,26 @@ def accelerate_config(plan: Plan, ctx: Target, deepspeed_config_file: str | None
         cfg["mixed_precision"] = _MIXED_PRECISION[plan.precision]
     if kind == "FSDP":
         cfg["fsdp_config"] = fsdp_config(plan, ctx)
+    if plan.context_parallel > 1:
+        cfg["parallelism_config"] = parallelism_config(plan, ctx)
     return cfg
+
+
+def parallelism_config(plan: Plan, ctx: Target) -> dict[str, Any]:
+    """accelerate's ``ParallelismConfig`` as ``accelerate launch`` reads it from the config file
+    (keys of its ``--parallelism_config_*`` options; ``utils.launch.prepare_extend_env_parallelism_config``
+    passes them on as ``PARALLELISM_CONFIG_*``): FSDP2 shards over the data-parallel ranks and the
+    context-parallel group together; the ring exchanges keys and values by all-gather, the
+    strategy the memory model reads (``evaluators/context.py``)."""
+    cp = plan.context_parallel
+    return {
+        "parallelism_config_dp_replicate_size": 1,
+        "parallelism_config_dp_shard_size": plan.data_parallel(ctx.cluster.world_size),
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": cp,
+        "parallelism_config_cp_backend": "torch",
+        "parallelism_config_cp_comm_strategy": "allgather",
+    }
 
 
 def fsdp_config(plan: Plan, ctx: Target) -> dict[str, Any]:

@@ -68,6 +68,12 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
                 + "); optim is not used"
             )
 
+    if plan.context_parallel > 1:
+        notes.append(
+            f"context parallelism: accelerate_config.yaml's parallelism_config splits every row over "
+            f"{plan.context_parallel} ranks (cp_size); the Trainer runs each step in "
+            "accelerator.maybe_context_parallel and shifts the labels itself"
+        )
     if plan.optimizer_in_backward:  # each gradient is stepped and freed inside backward
         ta["max_grad_norm"] = 0.0
     liger = plan.fused_loss and ctx.model.family.liger
@@ -195,6 +201,20 @@ def _data(plan: Plan, ctx: Target) -> dict[str, Any]:
             # position ids restarting at 0 (flash-attention's variable-length kernel)
             "data_collator": "transformers.DataCollatorWithFlattening",
             "data_collator_kwargs": {"return_position_ids": True, "separator_id": -100},
+        }
+    if plan.context_parallel > 1:
+        # every row padded to --seq-len, which the load balancer cuts into 2 x cp chunks; the mask is
+        # dropped for is_causal, and right padding comes after every real token it could hide
+        return {
+            "max_length": ctx.workload.seq_len,
+            "packing": False,
+            "padding_side": "right",
+            "data_collator": "transformers.DataCollatorForSeq2Seq",
+            "data_collator_kwargs": {
+                "padding": "max_length",
+                "max_length": ctx.workload.seq_len,
+                "label_pad_token_id": -100,
+            },
         }
     return {
         "max_length": ctx.workload.seq_len,

@@ -8,8 +8,9 @@ where ``--methods`` names it: on every model × GPU pair of
 benchmarks/results/2026-12-04-lora-8bit.md the analytic screen ranks its fastest plan below
 qlora's, so by default it would only lengthen the search. The
 rest — checkpointing (full or op-level selective; activation offload beside full on a GPU), attention kernel,
-sharding, offload, micro-batch, packing, fused loss, the optimizer step in backward (one
-GPU, no accumulation) — is always free.
+sharding, offload, context parallelism (FSDP with sdpa, full-length rows), micro-batch,
+packing, fused loss, the optimizer step in backward (one GPU, no accumulation) — is always
+free.
 
 Knobs that exist only in some branches get branch-specific names (``offload_zero3``,
 ``lora_rank``), so Optuna's samplers see one consistent distribution per name; the
@@ -147,9 +148,34 @@ class SearchSpace:
     def per_rank_batch(self) -> int:
         return self.ctx.workload.global_batch // self.ctx.cluster.world_size
 
-    def micro_batches(self) -> list[int]:
-        b = self.per_rank_batch
+    def rank_batch(self, cp: int = 1) -> int:
+        """Sequences (of which a context-parallel rank holds 1/cp) per rank and step."""
+        return self.ctx.workload.global_batch // (self.ctx.cluster.world_size // cp)
+
+    def micro_batches(self, cp: int = 1) -> list[int]:
+        b = self.rank_batch(cp)
         return [m for m in range(1, min(b, MAX_MICRO_BATCH) + 1) if b % m == 0]
+
+    def context_parallel(self, sharding: Sharding) -> list[int]:
+        """Context-parallel group sizes for ``sharding`` (plan._context_parallel_problems): powers
+        of two dividing the GPUs, with FSDP, for causal models with sdpa on full-length rows."""
+        ctx = self.ctx
+        world, w = ctx.cluster.world_size, ctx.workload
+        if (
+            sharding is not Sharding.FSDP
+            or ctx.cluster.gpu.kind != "cuda"
+            or ctx.model.family.task != "causal-lm"
+            or "sdpa" not in ctx.model.family.attn_impls
+            or w.lengths is not None
+        ):
+            return [1]
+        sizes = [1]
+        cp = 2
+        while cp <= world:
+            if world % cp == 0 and w.seq_len % (2 * cp) == 0:
+                sizes.append(cp)
+            cp *= 2
+        return sizes
 
     def precisions(self) -> list[Precision]:
         gpu = self.ctx.cluster.gpu
@@ -253,39 +279,47 @@ class SearchSpace:
             offload = Offload(trial.suggest_categorical(f"offload_{sharding.value}", [o.value for o in offloads]))
         elif offloads:
             offload = offloads[0]
-        mb = int(trial.suggest_categorical("micro_batch", self.micro_batches()))
+        cp = 1
+        sizes = self.context_parallel(sharding)
+        if len(sizes) > 1:
+            cp = int(trial.suggest_categorical("context_parallel", sizes))
+        # a context-parallel rank holds more (shorter) rows: its micro-batches are another choice
+        mb = int(trial.suggest_categorical("micro_batch" if cp == 1 else f"micro_batch_cp{cp}", self.micro_batches(cp)))
         # none or full, and under full op-level selective checkpointing (a switch, _switches): every
         # k-th block (--checkpoint-every) is estimated, exported and offered by the report's toggles,
         # but not searched: with it the default 8 trials simulated 7 fitting plans and the main
         # command took 34 s against its 20 s goal
         ckpt = Checkpointing(trial.suggest_categorical("checkpointing", ["none", "full"]))
-        attention = Attention(
-            trial.suggest_categorical(
-                "attention" if precision is not Precision.FP32 else "attention_fp32",
-                [x.value for x in self.attentions(precision)],
+        attention = Attention.SDPA  # the ring attention's kernel (plan._context_parallel_problems)
+        if cp == 1:
+            attention = Attention(
+                trial.suggest_categorical(
+                    "attention" if precision is not Precision.FP32 else "attention_fp32",
+                    [x.value for x in self.attentions(precision)],
+                )
             )
-        )
         packing = False
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
-        switches = self._switches(trial, precision, sharding, mb, ckpt)
+        switches = self._switches(trial, precision, sharding, mb, ckpt, cp)
         if switches["checkpoint_ops"]:
             ckpt = Checkpointing.SELECTIVE
         return Plan(
             precision=precision,
             optimizer=optimizer,
             micro_batch=mb,
-            grad_accum=self.per_rank_batch // mb,
+            grad_accum=self.rank_batch(cp) // mb,
             checkpointing=ckpt,
             attention=attention,
             sharding=sharding,
             offload=offload,
             packing=packing,
+            context_parallel=cp,
             **switches,
             **kw,
         )
 
-    def _switches(self, trial: TrialLike, precision, sharding, mb: int, ckpt) -> dict[str, bool]:
+    def _switches(self, trial: TrialLike, precision, sharding, mb: int, ckpt, cp: int) -> dict[str, bool]:
         """The on/off techniques, each asked only where it can run with the knobs chosen so far."""
         # activation offload beside checkpointing (torchtune's pairing): the block inputs go to
         # the host; alone it would move every saved tensor over PCIe. A CPU target has no host
@@ -302,7 +336,7 @@ class SearchSpace:
         ):
             ops = bool(trial.suggest_categorical("checkpoint_ops", [False, True]))
         offload_acts = False
-        if ckpt is Checkpointing.FULL and not ops and self.ctx.cluster.gpu.kind == "cuda":
+        if ckpt is Checkpointing.FULL and not ops and self.ctx.cluster.gpu.kind == "cuda" and cp == 1:
             offload_acts = bool(trial.suggest_categorical("offload_activations", [False, True]))
         # the step in backward where nothing accumulates or shards (plan._in_backward_problems)
         in_bwd = False
@@ -314,7 +348,9 @@ class SearchSpace:
         if self.ctx.model.family.fused_kernels and self.ctx.cluster.gpu.kind == "cuda":
             kernels = bool(trial.suggest_categorical("fused_kernels", [False, True]))
         fused = False
-        if not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE):
+        if (cp == 1 or self.ctx.model.family.liger) and (
+            not self.fused_loss_single_rank_only or (self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE)
+        ):
             fused = bool(trial.suggest_categorical("fused_loss", [False, True]))
         return {
             "fused_loss": fused,

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if t["data"].get("padding_side"):  # context parallelism drops the mask: padding after the text
+        tokenizer.padding_side = t["data"]["padding_side"]
     model_kwargs = dict(t["model_kwargs"])
     if t["quantization"]:
         model_kwargs["quantization_config"] = BitsAndBytesConfig(**t["quantization"])
