@@ -150,7 +150,7 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
             f"`{plan.summary()}`",
             "",
             f"{m.name}{source} on {c.label}: sequences of {w.seq_len} tokens, {w.global_batch} per optimizer step "
-            f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {c.world_size} GPU(s)).",
+            + _batch_line(plan, c.world_size),
             "",
             "| file | what it sets |",
             "|---|---|",
@@ -165,6 +165,17 @@ def _readme(plan: Plan, ctx: Target, args: dict, nvme_path: str) -> str:
             *_checks(plan, ctx, args, nvme_path),
             "",
         ]
+    )
+
+
+def _batch_line(plan: Plan, world: int) -> str:
+    if plan.context_parallel == 1:
+        return f"({plan.micro_batch} per GPU × {plan.grad_accum} accumulation steps × {world} GPU(s))."
+    cp = plan.context_parallel
+    return (
+        f"({plan.micro_batch} per data-parallel rank × {plan.grad_accum} accumulation steps × "
+        f"{plan.data_parallel(world)} data-parallel rank(s); each sequence split over {cp} GPUs by context "
+        "parallelism, accelerate's `parallelism_config`)."
     )
 
 

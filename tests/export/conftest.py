@@ -109,7 +109,7 @@ def accelerate_launch(monkeypatch, launch_options):
             env = prepare_multi_gpu_env(args)
         else:
             _, env = prepare_simple_launcher_cmd_env(args)
-        env = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+        env = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
         return Launch(config, args, env, unknown)
 
     return launch
@@ -120,7 +120,7 @@ def launched_env(monkeypatch):
     """Set a launch environment for the duration of one test (accelerate's plugins read it)."""
 
     def apply(env: dict[str, str]) -> None:
-        for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))]:
             monkeypatch.delenv(key)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

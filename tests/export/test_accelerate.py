@@ -116,6 +116,28 @@ def test_accelerate_rejects_what_a_wrong_export_would_contain(tmp_path, accelera
         DeepSpeedPlugin()
 
 
+def test_context_parallel_plan_launches_with_accelerates_parallelism_config(tmp_path, accelerate_launch, launched_env):
+    """cp 2 on 4 GPUs: accelerate launch passes the sizes on, and accelerate's ParallelismConfig
+    (as the Trainer's Accelerator builds it from the environment) splits the 4 ranks as planned."""
+    from autofit.search.request import build_context
+
+    ctx = build_context("llama-3.1-8b", "4xH100", seq_len=16384, global_batch=8)
+    plan = Plan(micro_batch=1, grad_accum=4, sharding="fsdp", checkpointing="full", context_parallel=2)
+    launch = accelerate_launch(_export_to(tmp_path, plan, ctx))
+    check(plan, ctx, launch, launched_env)
+    env = launch.env
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (env["PARALLELISM_CONFIG_CP_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
+    assert env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] == "allgather"
+    launched_env(env)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    pc = ParallelismConfig()
+    assert (pc.cp_size, pc.dp_shard_size, pc.total_size) == (2, 2, 4)
+    assert pc.cp_enabled and pc.cp_handler.cp_comm_strategy == "allgather"
+    assert "parallelism_config" not in accelerate_config(plan.replace(context_parallel=1, grad_accum=2), ctx)
+
+
 def test_single_gpu_torch_plan_runs_undistributed():
     ctx = target("qwen2-1xA100")
     cfg = accelerate_config(Plan(method="lora", lora_rank=16, micro_batch=2, grad_accum=4), ctx)

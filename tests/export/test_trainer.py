@@ -218,6 +218,28 @@ def test_packing_collator_builds_the_runtime_packed_batch():
     )
 
 
+def test_context_parallel_rows_are_padded_to_the_full_length_on_the_right():
+    """The collator with the exported kwargs gives every row --seq-len tokens (the load balancer
+    cuts it into 2 x cp chunks), its padding after the text and out of the loss."""
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
+
+    from autofit.search.request import build_context
+
+    ctx = build_context("llama-3.1-8b", "4xH100", seq_len=16, global_batch=8)
+    plan = Plan(micro_batch=2, grad_accum=2, sharding="fsdp", context_parallel=2)
+    args = trainer_args(plan, ctx)
+    data = args["data"]
+    assert data["padding_side"] == "right" and any("parallelism_config" in n for n in args["notes"])
+    vocab = Tokenizer(models.WordLevel({"<pad>": 0, "x": 1}, unk_token="<pad>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="<pad>")
+    tokenizer.padding_side = data["padding_side"]
+    collate = DataCollatorForSeq2Seq(tokenizer=tokenizer, **data["data_collator_kwargs"])
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}])
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["input_ids"][0, :3].tolist() == [5, 6, 7] and batch["labels"][0, 3:].eq(-100).all()
+
+
 def test_fused_loss_without_a_liger_kernel_names_the_fallback():
     ctx = target("gpt2-1xT4")
     args = trainer_args(Plan(precision="fp16-mixed", micro_batch=1, grad_accum=8, fused_loss=True), ctx)
