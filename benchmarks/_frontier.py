@@ -8,10 +8,13 @@ from autofit.search.request import build_context
 from autofit.search.space import Allowed, SearchSpace
 
 
-def best_per_method(model: str, gpus: str, methods: str = "full,lora,lora-8bit,qlora") -> dict[str, TrialResult]:
-    """Method name -> the screen's fastest fitting plan of it (methods with none left out)."""
+def best_per_method(
+    model: str, gpus: str, methods: str = "full,lora,lora-8bit,qlora", **workload
+) -> dict[str, TrialResult]:
+    """Method name -> the screen's fastest fitting plan of it (methods with none left out);
+    ``workload``: build_context's seq_len and global_batch, where not the defaults."""
     best: dict[str, TrialResult] = {}
-    for _, r in screen(SearchSpace(build_context(model, gpus), Allowed.parse(methods=methods))):
+    for _, r in screen(SearchSpace(build_context(model, gpus, **workload), Allowed.parse(methods=methods))):
         if r.fits and r.plan.method.value not in best:
             best[r.plan.method.value] = r
     return best

@@ -264,6 +264,18 @@ def _allowed_list(allowed: Mapping[str, Sequence[Any]] | None, key: str, default
     return values or list(default)
 
 
+def _context_parallel_candidates(plan: Plan) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
+    """Each sequence over twice (half) as many GPUs, at the same global batch: half (twice) the
+    data-parallel ranks, so twice (half) the accumulation; falling back to FSDP with sdpa."""
+    cp, ga = plan.context_parallel, plan.grad_accum
+    doubled = plan.replace(context_parallel=cp * 2, grad_accum=ga * 2)
+    fallback = doubled.replace(sharding=Sharding.FSDP, offload=Offload.NONE, attention=Attention.SDPA)
+    yield "context parallelism", f"context parallel {cp} → {cp * 2} (grad-accum {ga} → {ga * 2})", doubled, [fallback]
+    if cp > 1 and ga % 2 == 0:
+        label = f"context parallel {cp} → {cp // 2} (grad-accum {ga} → {ga // 2})"
+        yield "context parallelism", label, plan.replace(context_parallel=cp // 2, grad_accum=ga // 2), []
+
+
 def _candidates(
     plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
 ) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
@@ -317,6 +329,7 @@ def _candidates(
             plan.replace(micro_batch=mb // 2, grad_accum=ga * 2),
             [],
         )
+    yield from _context_parallel_candidates(plan)
     ranks = [int(r) for r in _allowed_list(allowed, "lora_ranks", [16])]
     for m in _allowed_list(allowed, "methods", Method.values()):
         m = Method(m)

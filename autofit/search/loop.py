@@ -100,13 +100,19 @@ class SearchRequest:
         return request_key(self.ctx, evaluator=self.evaluator, allowed=self.allowed.as_dict())
 
     def space(self) -> SearchSpace:
-        """The plans this request searches: for a measured study, only fused losses it can run."""
+        """The plans this request searches: for a measured study, only what it can run (fused
+        losses where they run, no context parallelism)."""
         single_rank = False
         if self.evaluator == "measured":
             from autofit.evaluators.measured import device_kind, liger_runs
 
             single_rank = not liger_runs(self.ctx, device_kind(self.ctx))
-        return SearchSpace(self.ctx, self.allowed, fused_loss_single_rank_only=single_rank)
+        return SearchSpace(
+            self.ctx,
+            self.allowed,
+            fused_loss_single_rank_only=single_rank,
+            allow_context_parallel=self.evaluator != "measured",
+        )
 
     @property
     def budget(self) -> dict[str, Any]:

@@ -137,6 +137,8 @@ class SearchSpace:
     # a fused loss only where one process runs the plain model: what the measured evaluator can
     # run without Liger (the chunked loss calls the model body outside DDP/DeepSpeed/FSDP)
     fused_loss_single_rank_only: bool = False
+    # context parallelism, which the measured evaluator does not run (measured.not_measurable)
+    allow_context_parallel: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -144,10 +146,6 @@ class SearchSpace:
             raise SpecError("; ".join(problems))
 
     # -- the choices, filtered by GPU and model -------------------------------------------
-    @property
-    def per_rank_batch(self) -> int:
-        return self.ctx.workload.global_batch // self.ctx.cluster.world_size
-
     def rank_batch(self, cp: int = 1) -> int:
         """Sequences (of which a context-parallel rank holds 1/cp) per rank and step."""
         return self.ctx.workload.global_batch // (self.ctx.cluster.world_size // cp)
@@ -162,7 +160,8 @@ class SearchSpace:
         ctx = self.ctx
         world, w = ctx.cluster.world_size, ctx.workload
         if (
-            sharding is not Sharding.FSDP
+            not self.allow_context_parallel
+            or sharding is not Sharding.FSDP
             or ctx.cluster.gpu.kind != "cuda"
             or ctx.model.family.task != "causal-lm"
             or "sdpa" not in ctx.model.family.attn_impls
@@ -340,7 +339,7 @@ class SearchSpace:
             offload_acts = bool(trial.suggest_categorical("offload_activations", [False, True]))
         # the step in backward where nothing accumulates or shards (plan._in_backward_problems)
         in_bwd = False
-        single = self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE and self.per_rank_batch == mb
+        single = self.ctx.cluster.world_size == 1 and sharding is Sharding.NONE and self.rank_batch() == mb
         if single and precision is not Precision.FP16_MIXED:
             in_bwd = bool(trial.suggest_categorical("optimizer_in_backward", [False, True]))
         # Liger's kernels (Triton) where the block fits them and the target is a GPU

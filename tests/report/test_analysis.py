@@ -124,6 +124,7 @@ def test_each_toggle_is_one_technique_evaluated_analytically(tight_study):
         "precision": {"precision"},
         "packing": {"packing"},
         "activation offload": {"offload_activations"},
+        "context parallelism": {"context_parallel", "grad_accum", "sharding", "offload", "attention"},
     }
     techniques = {t.technique for t in effects.toggles}
     assert {"checkpointing", "fused loss", "attention", "sharding", "offload", "micro-batch", "method"} <= techniques
@@ -135,7 +136,9 @@ def test_each_toggle_is_one_technique_evaluated_analytically(tight_study):
         assert t.result.memory == again.memory and t.result.throughput == again.throughput
         assert t.memory_delta == again.memory.device_total - effects.baseline.memory.device_total
         assert t.speed_ratio == pytest.approx(again.tokens_per_sec / effects.baseline.tokens_per_sec)
-        assert t.plan.micro_batch * t.plan.grad_accum == winner.plan.micro_batch * winner.plan.grad_accum
+        world = ctx.cluster.world_size
+        batch = t.plan.micro_batch * t.plan.grad_accum * t.plan.data_parallel(world)
+        assert batch == winner.plan.micro_batch * winner.plan.grad_accum * winner.plan.data_parallel(world)
     ckpt = next(t for t in effects.toggles if t.technique == "checkpointing")
     if winner.plan.checkpointing is Checkpointing.NONE:  # recomputation trades speed for activation memory
         assert ckpt.result.memory.activations < effects.baseline.memory.activations and ckpt.speed_ratio < 1
@@ -176,3 +179,17 @@ def test_offload_on_one_gpu_is_toggled_with_the_sharding_it_needs(fitting_study)
         assert "with sharding" in t.label
     # on one GPU a ZeRO stage without offload divides nothing: skipped, with the reason
     assert any(label.startswith("sharding none → zero1") for label, _ in effects.skipped)
+
+
+def test_context_parallelism_is_toggled_with_fsdp_at_the_same_global_batch():
+    """From a ZeRO-2 plan on 4 GPUs: each row over 2 GPUs, with the FSDP and sdpa it needs, twice the
+    accumulation; the rank's activations halve."""
+    from autofit.search.request import build_context
+
+    ctx = build_context("llama-3.1-8b", "4xH100", seq_len=16384, global_batch=8)
+    plan = Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=2, sharding="zero2", checkpointing="full")
+    effects = analysis.technique_effects(plan, ctx, None)
+    (cp,) = [t for t in effects.toggles if t.technique == "context parallelism"]
+    assert cp.plan.context_parallel == 2 and cp.plan.sharding is Sharding.FSDP and cp.plan.grad_accum == 4
+    assert "context parallel 1 → 2" in cp.label
+    assert cp.result.memory.activations < 0.6 * effects.baseline.memory.activations
