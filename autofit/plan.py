@@ -384,16 +384,7 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             "flash2's variable-length kernel); use --attention flash2 or --no-packing"
         )
 
-    # batch semantics
-    dp = plan.data_parallel(world)
-    if plan.micro_batch * plan.grad_accum * dp != workload.global_batch:
-        p.append(
-            f"micro_batch × grad_accum × data-parallel ranks = {plan.micro_batch} × {plan.grad_accum} × "
-            f"{dp} = {plan.micro_batch * plan.grad_accum * dp}, but the global batch is "
-            f"{workload.global_batch}: pick a factorization of {workload.global_batch}"
-        )
-    if plan.context_parallel > 1:
-        p += _context_parallel_problems(plan, model, world, workload)
+    p += _batch_problems(plan, model, world, workload)
 
     # sharding and offload
     if world == 1 and plan.sharding is not Sharding.NONE and plan.offload is Offload.NONE:
@@ -415,6 +406,21 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
             "use adamw, or sharding zero1/zero2"
         )
+    return p
+
+
+def _batch_problems(plan: Plan, model: ModelSpec, world: int, workload: Workload) -> list[str]:
+    """The global batch over the data-parallel ranks, and each row over the context-parallel group."""
+    p = []
+    dp = plan.data_parallel(world)
+    if plan.micro_batch * plan.grad_accum * dp != workload.global_batch:
+        p.append(
+            f"micro_batch × grad_accum × data-parallel ranks = {plan.micro_batch} × {plan.grad_accum} × "
+            f"{dp} = {plan.micro_batch * plan.grad_accum * dp}, but the global batch is "
+            f"{workload.global_batch}: pick a factorization of {workload.global_batch}"
+        )
+    if plan.context_parallel > 1:
+        p += _context_parallel_problems(plan, model, world, workload)
     return p
 
 

@@ -213,6 +213,15 @@ def plan_options(fn: Callable) -> Callable:
             show_default=True,
             help="Liger's fused RMSNorm, SwiGLU and RoPE kernels (llama-like blocks: llama, mistral, qwen2, qwen3).",
         ),
+    ]
+    for d in reversed(decorators + _technique_options()):
+        fn = d(fn)
+    return fn
+
+
+def _technique_options() -> list[Callable]:
+    """plan_options' switches: the techniques beside the knobs every plan sets."""
+    return [
         click.option(
             "--offload-activations/--no-offload-activations",
             default=False,
@@ -235,9 +244,6 @@ def plan_options(fn: Callable) -> Callable:
             "accelerate's ParallelismConfig cp_size). Data-parallel ranks: GPUs / N.",
         ),
     ]
-    for d in reversed(decorators):
-        fn = d(fn)
-    return fn
 
 
 def measured_options(fn: Callable) -> Callable:

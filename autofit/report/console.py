@@ -79,8 +79,11 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
     console.print(f"bottleneck: {m.bottleneck}")
-    if result.extra and result.extra.get("note"):
-        console.print(f"[yellow]note[/yellow]: {result.extra['note']}", highlight=False)
+    for key in ("note", "context_parallel"):
+        if result.extra and result.extra.get(key):
+            console.print(
+                f"[yellow]{'note' if key == 'note' else 'assumed'}[/yellow]: {result.extra[key]}", highlight=False
+            )
     cal = result.extra.get("calibration") if result.extra else None
     if cal:
         raw = result.extra["raw"]
@@ -567,6 +570,8 @@ def print_answer(console: Console, standing, allowed_methods: Iterable[str], adv
         f"[dim](plan {best.plan.plan_id}, {best.evaluator})[/dim]"
     )
     console.print(f"  {winner_line(best, ctx)}", highlight=False)
+    if best.extra and best.extra.get("context_parallel"):
+        console.print(f"  [yellow]assumed[/yellow]: {best.extra['context_parallel']}", highlight=False)
     if standing.tiebreak is not None:
         for line in tiebreak_lines(standing.tiebreak):
             console.print(f"  [dim]{line}[/dim]", highlight=False)
