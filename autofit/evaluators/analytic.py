@@ -738,9 +738,13 @@ def logits_bytes(model: ModelSpec, plan: Plan, tokens: int) -> tuple[float, floa
     )
     if plan.fused_loss:
         chunk = min(tokens, costs.next_pow2(tokens / -(-v // model.hidden_size)))
-        # + one chunk's head-weight gradient before it is added into .grad
+        # + the head's weight gradient (full fine-tuning), whole on every rank until the loss backward
+        # ends: autograd sums each chunk's into its input buffer out of place
+        # (torch/csrc/autograd/input_buffer.cpp, accumulate), so the running sum, the chunk's and
+        # their sum are alive at once; one where a single chunk covers the tokens
+        copies = 3 if chunk < tokens else 1
         grad_w = v * model.hidden_size * (4 if c == 4 or lay.autocasts else c) if plan.method is Method.FULL else 0
-        return (c + up + 4) * v * chunk + head_cast, (c + up + 12) * v * chunk + head_cast + grad_w
+        return (c + up + 4) * v * chunk + head_cast, (c + up + 12) * v * chunk + head_cast + copies * grad_w
     if model.family.task == "masked-lm" and not lay.autocasts:
         # BERT's MLM loss takes the logits as they are: log_softmax saves them in the compute
         # dtype, and its backward holds the nll and log_softmax gradients in it too
@@ -1077,8 +1081,8 @@ def _backward_moments(
     return {
         "loss-backward": {
             **states,
-            # a chunked loss computes the head's weight gradient inside the loss backward
-            "gradients": max(st.grad_accum_present, ms.early_grads if plan.fused_loss else 0.0),
+            # (a chunked loss's head gradient is in its logits until the loss backward ends)
+            "gradients": st.grad_accum_present,
             "activations": act.saved,
             "logits": act.logits_bwd,
             "temporary": persistent_tmp,

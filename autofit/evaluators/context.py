@@ -86,19 +86,20 @@ def ring_bytes(q: float, k: float, rows: float, cb: int, cp: int) -> tuple[float
     ``k`` key elements and ``rows`` logsumexp rows per rank, in ``cb``-byte elements.
 
     Each buffer is counted alive until the loop's next step has made its successor: how long a
-    buffer lives depends on when the collective that reads it completes (the measured excess
-    varies from run to run by whole buffers). Checked against torch's own functions run on 2 and
-    4 CPU ranks (tests/evaluators/test_context.py): from 4% under to 22% over the worst rank's
-    excess in three runs."""
+    buffer lives depends on when the collective that reads it completes, so the excess varies
+    from run to run by whole buffers, and more on a loaded machine. An upper bound, checked
+    against torch's own functions run on 2 and 4 CPU ranks (tests/evaluators/test_context.py):
+    0-33% over the worst rank's excess in three runs (bf16, fp32), equal to the worst seen under
+    load (4 ranks, bf16, another test suite running beside it)."""
     lse = 2 * rows * 4  # two chunks' fp32 logsumexp
     # forward: the concatenated and the gathered keys and values; the merge's fp32 output, the
-    # chunk's fp32 copy (none in fp32), its difference and the weighted difference; two chunks'
-    # kernel outputs
-    forward = 2 * k * cb * (cp + 1) + q * (12 + (4 if cb != 4 else 0) + 2 * cb) + lse
+    # chunk's fp32 copy, its difference and the weighted difference (four fp32 query-sized buffers
+    # in fp32 too, where the copy is none: seen on 4 ranks); two chunks' kernel outputs
+    forward = 2 * k * cb * (cp + 1) + q * (16 + 2 * cb) + lse
     # backward: fp32 dq, dk, dv; the gathered and concatenated keys and values; two chunks' kernel
-    # gradients and a partial step's half-query one; the fp32 dk, dv sent, received, and copied by
-    # _partial_update (a torch.cat)
-    backward = 4 * q + 8 * k + 2 * k * cb * (cp + 1) + 2 * (q + 2 * k) * cb + q * cb / 2 + 24 * k + lse
+    # gradients and a partial step's half-query one; the fp32 dk, dv of two steps sent and received
+    # (a send's buffer lives until it completes) and _partial_update's copy of them (a torch.cat)
+    backward = 4 * q + 8 * k + 2 * k * cb * (cp + 1) + 2 * (q + 2 * k) * cb + q * cb / 2 + 32 * k + lse
     return forward, backward
 
 

@@ -78,8 +78,39 @@ def test_logits_of_the_default_loss_and_of_a_chunked_loss():
     _, fused = logits_bytes(m, Plan(precision="bf16-true", fused_loss=True), tokens)
     chunk = 512  # Liger's rule: 16384 tokens / ceil(128256 / 4096) = 512
     head_grad = m.vocab_size * m.hidden_size * 2
-    assert fused == (2 + 4 + 12) * m.vocab_size * chunk + head_grad
-    assert fused < bwd / 10
+    # the head's gradient: autograd's running sum over the chunks, the chunk's, and their sum
+    assert fused == (2 + 4 + 12) * m.vocab_size * chunk + 3 * head_grad
+    assert fused < bwd / 5
+    _, lora = logits_bytes(m, Plan(method="lora", lora_rank=8, precision="bf16-true", fused_loss=True), tokens)
+    assert lora == (2 + 4 + 12) * m.vocab_size * chunk  # a frozen head has no gradient
+
+
+def test_a_chunked_loss_holds_three_head_gradients_on_real_cpu_tensors():
+    """autograd sums the chunks' head-weight gradients out of place (input_buffer.cpp): at the
+    peak of the loss backward the running sum, one chunk's gradient and their sum are alive."""
+    import torch
+
+    from autofit.evaluators.memtrack import StorageTracker
+    from autofit.evaluators.runtime import chunked_cross_entropy
+
+    vocab, hidden, tokens = 8192, 256, 1024
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    tr = StorageTracker()
+    tr.track([head.weight], kind="weights")
+    with tr:
+        chunked_cross_entropy(x, head, labels).backward()
+    live: dict[int, int] = {}
+    peak, at_peak = 0, []
+    for key, delta in tr.log:
+        if delta > 0:
+            live[key] = delta
+        else:
+            live.pop(key, None)
+        if sum(live.values()) > peak:
+            peak, at_peak = sum(live.values()), [d for k, d in live.items() if k not in tr.weight_keys]
+    assert at_peak.count(vocab * hidden * 4) == 3
 
 
 def test_checkpointing_trades_memory_for_time():

@@ -42,8 +42,8 @@ def _plan(cp: int, grad_accum: int = 2, **kw) -> Plan:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ring_buffers_bound_torchs_own_ring_on_cpu_ranks(ranks):
     """torch's _templated_ring_attention and its backward, with the CPU flash kernel, on gloo ranks:
-    the formula is within -5%/+25% of the worst rank's excess over the local kernel (the worst of three
-    runs: how long a buffer lives depends on when the collective reading it completes)."""
+    the formula bounds the worst rank's excess over the local kernel (the worst of three runs: how long
+    a buffer lives depends on when the collective reading it completes), by at most 40%."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(PROBE)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -54,8 +54,8 @@ def test_ring_buffers_bound_torchs_own_ring_on_cpu_ranks(ranks):
         forward, backward = context.ring_bytes(elements, elements, result[dtype]["rows"], cb, ranks)
         worst_f = max(f for f, _ in result[dtype]["excess"])
         worst_b = max(b for _, b in result[dtype]["excess"])
-        assert 0.95 * worst_f <= forward <= 1.25 * worst_f, (dtype, forward, result[dtype])
-        assert 0.95 * worst_b <= backward <= 1.25 * worst_b, (dtype, backward, result[dtype])
+        assert worst_f <= forward <= 1.4 * worst_f, (dtype, forward, result[dtype])
+        assert worst_b <= backward <= 1.4 * worst_b, (dtype, backward, result[dtype])
 
 
 # -- a rank is the local step ---------------------------------------------------------------------
