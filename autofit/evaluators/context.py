@@ -13,7 +13,7 @@ the same model's step on rows of ``s/cp`` tokens (:func:`local_workload`: what t
 simulator traces and the analytic formulas itemize), and three things are added:
 
 - **attention FLOPs × cp**: each local query attends over the whole row's keys (causal: half
-  of them), against ``s/cp`` of them in the local step (:func:`attention_scale`);
+  of them), against ``s/cp`` of them in the local step;
 - **the ring's buffers** beside one attention call (:func:`ring_transient`), read from
   ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` (torch 2.13) with
   accelerate's default ``cp_comm_strategy="allgather"`` (``_AllGatherRotater``) and torch's
@@ -60,11 +60,6 @@ def local_workload(plan: Plan, workload: Workload) -> Workload:
     if plan.context_parallel == 1:
         return workload
     return dataclasses.replace(workload, seq_len=workload.seq_len // plan.context_parallel)
-
-
-def attention_scale(plan: Plan) -> int:
-    """A rank's attention FLOPs over those of its local step (rows of ``s/cp`` tokens)."""
-    return plan.context_parallel
 
 
 def _widths(model: ModelSpec, plan: Plan, tokens: float) -> tuple[float, float, float, int]:

@@ -14,13 +14,12 @@ docs/EVALUATORS.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autofit.errors import AutofitError
@@ -1049,11 +1048,11 @@ def step_work(trace: Trace, plan: Plan, ctx: Target) -> timing.StepWork:
         )
     forward, backward = trace.ops.work("forward", n), trace.ops.work("backward", n)
     flops_micro = (trace.ops.flops("forward") + trace.ops.flops("backward")) / n
-    cp = context.attention_scale(plan)
+    cp = plan.context_parallel
     if cp > 1:  # the local step's queries met s/cp keys; a rank's meet all s (evaluators.context)
         flops_micro += (cp - 1) * (forward.attention + backward.attention)
-        forward = dataclasses.replace(forward, attention=forward.attention * cp)
-        backward = dataclasses.replace(backward, attention=backward.attention * cp)
+        forward = replace(forward, attention=forward.attention * cp)
+        backward = replace(backward, attention=backward.attention * cp)
     transfers = costs.transfer_work(plan, model, cluster, costs.state_bytes(model, plan), trace.offloaded)
     recomputed = sum(checkpointed_layers(plan, model.num_layers)) / model.num_layers
     return timing.StepWork(

@@ -79,11 +79,9 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
     else:
         console.print(f"[red]does not fit[/red]: {result.reason}")
     console.print(f"bottleneck: {m.bottleneck}")
-    for key in ("note", "context_parallel"):
+    for label, key in (("note", "note"), ("assumed", "context_parallel")):
         if result.extra and result.extra.get(key):
-            console.print(
-                f"[yellow]{'note' if key == 'note' else 'assumed'}[/yellow]: {result.extra[key]}", highlight=False
-            )
+            console.print(f"[yellow]{label}[/yellow]: {result.extra[key]}", highlight=False)
     cal = result.extra.get("calibration") if result.extra else None
     if cal:
         raw = result.extra["raw"]

@@ -19,7 +19,7 @@ from autofit.errors import PlanError
 from autofit.evaluators import context
 from autofit.evaluators.analytic import AnalyticEvaluator, work
 from autofit.evaluators.measured import not_measurable
-from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache, step_work
+from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache, TraceDevice, step_work
 from autofit.plan import Plan, plan_problems, validate_plan
 from autofit.specs import MODELS, Target, Workload
 from autofit.specs.cluster import parse_cluster
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("ring_probe.py")
 
 
-def _ctx(seq: int, global_batch: int, gpus: str = "2xH100", model=None) -> Target:
-    return Target(model or tiny("llama-3.2-1b"), parse_cluster(gpus), Workload(seq_len=seq, global_batch=global_batch))
+def _ctx(seq: int, global_batch: int, gpus: str = "2xH100") -> Target:
+    return Target(tiny("llama-3.2-1b"), parse_cluster(gpus), Workload(seq_len=seq, global_batch=global_batch))
 
 
 def _plan(cp: int, grad_accum: int = 2, **kw) -> Plan:
@@ -77,19 +77,15 @@ def test_a_rank_is_the_step_on_its_share_of_each_row():
             assert value == pytest.approx(expected, rel=1e-6, abs=512), name
     assert "256 of every row's 512 tokens" in a.extra["context_parallel"]
 
-    trace_a = cache.get(split.model, _plan(1), context.local_workload(_plan(2), split.workload), _target(split))
+    trace_a = cache.get(
+        split.model, _plan(1), context.local_workload(_plan(2), split.workload), TraceDevice.of(split.cluster.gpu)
+    )
     wa, wb = step_work(trace_a, _plan(2), split), step_work(trace_a, _plan(1), short)
     assert wa.forward.attention == pytest.approx(2 * wb.forward.attention)
     assert wa.backward.attention == pytest.approx(2 * wb.backward.attention)
     kinds = [c.kind for c in wa.transfers.collectives]
     assert kinds.count("all-gather") == 2 and "send" in kinds  # FSDP's gather, the ring's two
     assert a.throughput.comm_s > b.throughput.comm_s
-
-
-def _target(ctx):
-    from autofit.evaluators.simulated import TraceDevice
-
-    return TraceDevice.of(ctx.cluster.gpu)
 
 
 def test_attention_flops_split_over_the_group():
