@@ -189,6 +189,9 @@ class Plan:
     # Liger's fused RMSNorm, SwiGLU and RoPE kernels in every block (the Trainer's
     # use_liger_kernel; autofit.evaluators.fused stands in for them off CUDA)
     fused_kernels: bool = False
+    # torch.compile of every decoder block with inductor (accelerate's regional compilation, the
+    # Trainer's torch_compile; autofit.evaluators.compiled stands in for it on fake tensors)
+    torch_compile: bool = False
     # ranks that split each sequence (context parallelism: torch's ring attention over FSDP2,
     # accelerate's ParallelismConfig(cp_size=N)); the data-parallel ranks are world / N
     context_parallel: int = 1
@@ -225,6 +228,7 @@ class Plan:
             "offload_activations",
             "optimizer_in_backward",
             "fused_kernels",
+            "torch_compile",
             "checkpoint_ops",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -308,6 +312,8 @@ class Plan:
             parts.append("fused-loss")
         if self.fused_kernels:
             parts.append("fused-kernels")
+        if self.torch_compile:
+            parts.append("compiled")
         if self.offload_activations:
             parts.append("act-offload")
         if self.optimizer_in_backward:
@@ -325,6 +331,7 @@ _LATER_FIELDS = {
     "fused_kernels": False,
     "checkpoint_ops": False,
     "context_parallel": 1,
+    "torch_compile": False,
 }
 
 
@@ -401,6 +408,8 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
             f"fused kernels (Liger's RMSNorm, SwiGLU and RoPE) replace a llama-like block; {model.model_type} "
             "models have another: drop --fused-kernels (--fused-loss fuses the loss alone)"
         )
+    if plan.torch_compile:
+        p += _compile_problems(plan)
     if plan.optimizer in _EIGHT_BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
         p.append(
             f"{plan.optimizer.value} (bitsandbytes) does not step on ZeRO-3/FSDP sharded parameters; "
@@ -512,6 +521,21 @@ def _op_checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
     return p
 
 
+def _compile_problems(plan: Plan) -> list[str]:
+    """What torch.compile of the blocks is not modelled with (evaluators/compiled.py runs AOTAutograd
+    on the block: bitsandbytes' quantized parameters do not survive its functionalization, and
+    Liger's stand-ins, offload hooks, op-level policies and the ring have not been traced through it)."""
+    others = {
+        "4-bit base weights (qlora)": plan.method is Method.QLORA,
+        "8-bit base weights (lora-8bit)": plan.method is Method.LORA_8BIT,
+        "--fused-kernels": plan.fused_kernels,
+        "--offload-activations": plan.offload_activations,
+        "op-level checkpointing": plan.checkpoint_ops,
+        "--context-parallel": plan.context_parallel > 1,
+    }
+    return [f"--torch-compile is not modelled with {what}; drop one of the two" for what, on in others.items() if on]
+
+
 def _offload_problems(plan: Plan) -> list[str]:
     """Where the plan's offload cannot go: the engines and optimizers that can offload."""
     p: list[str] = []
@@ -600,6 +624,8 @@ def moving_parts(plan: Plan) -> tuple[str, ...]:
         parts.append("fused loss")
     if plan.fused_kernels:
         parts.append("fused kernels")
+    if plan.torch_compile:
+        parts.append("torch.compile")
     if plan.packing:
         parts.append("packing")
     if plan.offload_activations:
@@ -650,6 +676,7 @@ def plan_changes(base: Plan, other: Plan) -> tuple[str, ...]:
     toggles = (
         ("fused_loss", "fused loss"),
         ("fused_kernels", "fused kernels"),
+        ("torch_compile", "torch.compile"),
         ("packing", "packing"),
         ("offload_activations", "activation offload"),
         ("optimizer_in_backward", "optimizer in backward"),

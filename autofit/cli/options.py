@@ -236,6 +236,13 @@ def _technique_options() -> list[Callable]:
             "one GPU, grad_accum 1).",
         ),
         click.option(
+            "--torch-compile/--no-torch-compile",
+            default=False,
+            show_default=True,
+            help="torch.compile of every decoder block with inductor (accelerate's regional compilation; "
+            "the Trainer's torch_compile).",
+        ),
+        click.option(
             "--context-parallel",
             type=click.IntRange(min=1),
             default=None,

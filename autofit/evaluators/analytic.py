@@ -491,6 +491,8 @@ def block_activations(
             # by everything the block saves
             return replace(blk, sac_tok=blk.tok, sac_quad=blk.quad) if plan.checkpoint_ops else blk
     blk = _formula_block(model, plan, masked, cpu, capability)
+    if plan.torch_compile:
+        blk = _compiled_block(blk, model, plan, cpu, capability)
     if plan.checkpoint_ops:
         kernel = sdpa_kernel(model, plan, masked, cpu, capability) if plan.attention is Attention.SDPA else ""
         tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
@@ -522,6 +524,17 @@ def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabi
         down, prod, norm_out = _plain_mlp(s, model)
     blk = _block_summary(s, model, kernel == "math" and rope, before_mlp, down, prod, norm_out)
     return blk
+
+
+def _compiled_block(blk: _Block, model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> _Block:
+    """The formulas' block under torch.compile: its saves moved by what the partitioner keeps less
+    (or more) than eager on one traced block (``traced.block_terms`` of the plan with and without
+    it: evaluators/compiled.py); the transients around the block are eager's, an upper bound."""
+    from autofit.evaluators import traced
+
+    tok, quad = traced.block_terms(model, plan, cpu, capability)
+    eager_tok, eager_quad = traced.block_terms(model, plan.replace(torch_compile=False), cpu, capability)
+    return replace(blk, tok=max(0.0, blk.tok + tok - eager_tok), quad=max(0.0, blk.quad + quad - eager_quad))
 
 
 def _block_note(model: ModelSpec) -> dict[str, str]:
@@ -1294,20 +1307,26 @@ def step_work(
     # backward casts the 16-bit weight gradients back to fp32
     casts = (model.linear_params() + head_params) * 6 if lay.autocasts and full else 0.0
     k_fwd, k_bwd = _block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd)
+    fwd_bytes = max(0.0, 1.5 * elementwise - fused_fwd)
+    bwd_bytes = max(0.0, 2.5 * elementwise - 2.5 * fused_fwd)
+    if plan.torch_compile:  # the compiled block's fused kernels and library calls (traced.compiled_work)
+        from autofit.evaluators import traced
+
+        work = traced.compiled_work(model, plan, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
+        k_fwd, k_bwd = work.fwd_kernels, work.bwd_kernels
+        fwd_bytes, bwd_bytes = (L * b for b in work.bytes(T, keys))
+        casts = head_params * 6 if lay.autocasts and full else 0.0  # the blocks' casts are in their kernels
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
-        memory_bytes=max(0.0, 1.5 * elementwise - fused_fwd) + logits / 2 + q_fwd + casts,
+        memory_bytes=fwd_bytes + logits / 2 + q_fwd + casts,
         kernels=L * k_fwd + KERNELS_HEAD,
     )
     weight_grads = (*block, *head) if full else ()
     backward = timing.PhaseWork(
         gemms=(*block, *head, *weight_grads, *adapters, *adapters, *recomputed),
         attention=attn_bwd + attn_recompute,
-        memory_bytes=max(0.0, (2.5 + 1.5 * rc) * elementwise - (2.5 + 1.0 * rc) * fused_fwd)
-        + logits / 2
-        + q_bwd
-        + (q_fwd + casts) * rc,
+        memory_bytes=bwd_bytes + fwd_bytes * rc + logits / 2 + q_bwd + (q_fwd + casts) * rc,
         kernels=L * (k_bwd + k_fwd * rc) + KERNELS_HEAD,
     )
     dp = cluster.world_size

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.evaluators import fused, int8, offload
+from autofit.evaluators import compiled, fused, int8, offload
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Checkpointing, Method, Optimizer, Plan
@@ -717,13 +717,16 @@ class StepRunner:
         backward: Callable[[torch.Tensor], None] | None = None,
         micro_batch_context: Callable[[int, int], Any] | None = None,
         kernels: Any = None,
+        compile_blocks: Callable[[list[torch.nn.Module]], Any] | None = None,
     ) -> None:
         """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
         ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
         DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``).
         ``kernels``: a factory of a context manager entered around every forward computation,
         the checkpoint recompute in backward included (the simulator's stand-ins for a target
-        GPU's kernels on fake CPU tensors)."""
+        GPU's kernels on fake CPU tensors). ``compile_blocks``: what compiles the decoder blocks of a
+        ``torch_compile`` plan (the simulator's priced stand-in); by default each block's in-place
+        ``torch.compile``, or :mod:`autofit.evaluators.compiled`'s stand-in under a tracker."""
         self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
         self.device = torch.device(device)
         self.tracker = tracker
@@ -742,6 +745,13 @@ class StepRunner:
         if plan.fused_kernels:  # the stand-ins for Liger's kernels (evaluators.fused)
             fused.apply(inner)
             self._rope = inner
+        self._compiled = None
+        if plan.torch_compile:
+            blocks = [m for m in inner.modules() if type(m).__name__ == spec.family.decoder_layer]
+            # dynamo compiles nothing under a TorchDispatchMode such as the tracker (FIELD-NOTES):
+            # a tracked step runs the blocks as inductor partitions them, unfused
+            stand_in = compiled.CompiledBlocks if tracker is not None else compile_regions
+            self._compiled = (compile_blocks or stand_in)(blocks)
         if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward
@@ -840,6 +850,16 @@ class StepRunner:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        if hasattr(self._compiled, "remove"):
+            self._compiled.remove()
+
+
+def compile_regions(blocks: list[torch.nn.Module], **compile_kwargs: Any) -> None:
+    """torch.compile of every block in place, as accelerate's regional compilation does it under
+    FSDP2 and DeepSpeed (``accelerate.utils.compile_regions_fsdp2``, ``compile_regions_deepspeed``:
+    ``module.compile()``), with inductor unless ``compile_kwargs`` say otherwise."""
+    for block in blocks:
+        block.compile(**compile_kwargs)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

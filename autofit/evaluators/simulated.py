@@ -73,6 +73,7 @@ class TraceKey:
     offload_activations: bool
     optimizer_in_backward: bool
     fused_kernels: bool
+    torch_compile: bool
     sharded_layout: bool  # DeepSpeed/FSDP2 compute on 16-bit parameters (runtime.layout)
     target: TraceDevice
 
@@ -98,6 +99,7 @@ class TraceKey:
             offload_activations=plan.offload_activations,
             optimizer_in_backward=plan.optimizer_in_backward,
             fused_kernels=plan.fused_kernels,
+            torch_compile=plan.torch_compile,
             sharded_layout=plan.engine != "torch",
             target=target,
         )
@@ -567,6 +569,7 @@ def _make_tracer():
             self.ops = OpCosts()
             self.last_step = last_step
             self.attn_flop_scale = attn_flop_scale
+            self.fusing = 0  # inside a compiled block's graph (evaluators.compiled)
 
         @contextlib.contextmanager
         def in_phase(self, phase, step=None):
@@ -589,13 +592,32 @@ def _make_tracer():
             with self.op_context(args):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
                 # an offload's copy to the host is host-link traffic (costs.transfer_work), not a kernel
-                if self.step == self.last_step and self.phase != "setup" and not self.host and counter.counted(func):
+                if self._costed() and counter.counted(func):
                     self._cost(func, args, kwargs or {}, out)
             return out
 
+        def _costed(self) -> bool:
+            return self.step == self.last_step and self.phase != "setup" and not self.host
+
+        @contextlib.contextmanager
+        def compiled_region(self, kernels):
+            """Around one run of a compiled block's graph: its library kernels (GEMMs, attention)
+            are priced as they run, the rest as the fused kernels inductor makes of them."""
+            self.fusing += 1
+            try:
+                yield
+            finally:
+                self.fusing -= 1
+                if self._costed() and kernels.count:
+                    phase = "backward" if self.phase == "recompute" else self.phase
+                    for _ in range(kernels.count):
+                        self.ops.add(phase, "fused", 0.0, kernels.nbytes / kernels.count, "fp32", tag=self.here())
+
         def _cost(self, func, args, kwargs, out) -> None:
-            nbytes, dtype = counter.nbytes(func, args, kwargs, out)
             flops = counter.flops(func, args, kwargs, out, self.attn_flop_scale)
+            if self.fusing and not flops:
+                return  # in one of the fused kernels compiled_region adds
+            nbytes, dtype = counter.nbytes(func, args, kwargs, out)
             dim = counter.gemm_dim(func, args) if flops else 0.0
             phase = "backward" if self.phase == "recompute" else self.phase
             tag = self.here()
@@ -742,7 +764,9 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
         # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
         # CUDA builds), so the target's kernels come from CudaKernels instead (docs/EVALUATORS.md)
-        runner = rt.StepRunner(built, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
+        runner = rt.StepRunner(
+            built, traced, net, opt, device="cpu", tracker=tr, kernels=kernels, compile_blocks=_compile_stand_in(tr)
+        )
         step_s = []
         for step in range(len(fakes)):
             t = time.perf_counter()
@@ -791,6 +815,17 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         tags=tags,
         offloaded=offloaded,
     )
+
+
+def _compile_stand_in(tr):
+    """The stand-in for torch.compile of each block (evaluators.compiled), priced by ``tr``."""
+
+    def apply(blocks):
+        from autofit.evaluators import compiled
+
+        return compiled.CompiledBlocks(blocks, tr.compiled_region)
+
+    return apply
 
 
 def _offloaded(allocs: list[tuple[int, int, Any]], depth: Depth | None) -> float:

@@ -31,7 +31,12 @@ LENGTHS = (256, 512)
 
 def block_terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     """``(bytes per token, bytes per token per attended position)`` the first block saves."""
-    key = plan.replace(
+    return _terms(model, _census_plan(plan), cpu, capability)
+
+
+def _census_plan(plan: Plan) -> Plan:
+    """The plan's fields that change what one block saves (the cache key)."""
+    return plan.replace(
         micro_batch=1,
         grad_accum=1,
         checkpointing=Checkpointing.NONE,
@@ -40,16 +45,56 @@ def block_terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, 
         offload_activations=False,
         fused_loss=False,
     )
-    return _terms(model, key, cpu, capability)
 
 
 @functools.lru_cache(maxsize=512)
 def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     one = _one_layer(model)
+    return _per_token(*(_census(one, plan, s, cpu, capability)[0] for s in LENGTHS))
+
+
+def _per_token(b1: float, b2: float) -> tuple[float, float]:
+    """``(per token, per token per attended position)`` of two census values at ``LENGTHS``."""
     s1, s2 = LENGTHS
-    b1, b2 = (_saved(one, plan, s, cpu, capability) for s in LENGTHS)
     quad = max(0.0, (b2 / s2 - b1 / s1) / (s2 - s1))
     return max(0.0, b1 / s1 - quad * s1), quad
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledWork:
+    """A compiled block's kernels per micro-batch, forward and backward: how many it issues
+    (fused kernels and library kernels), and the bytes its fused kernels move as
+    ``(per token, per token per attended position)`` (``compiled.fused_kernels``)."""
+
+    fwd_kernels: int
+    bwd_kernels: int
+    fwd_bytes: tuple[float, float]
+    bwd_bytes: tuple[float, float]
+
+    def bytes(self, tokens: float, keys: float) -> tuple[float, float]:
+        return tuple(tokens * (tok + quad * keys) for tok, quad in (self.fwd_bytes, self.bwd_bytes))
+
+
+def compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
+    """What the analytic time model needs of a ``torch_compile`` plan's block, from its partitioned
+    graphs (the stand-in of ``evaluators.compiled`` on one traced block, as :func:`block_terms`)."""
+    return _compiled_work(model, _census_plan(plan), cpu, capability)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
+    from autofit.evaluators import compiled
+
+    one = _one_layer(model)
+    runs = [_census(one, plan, s, cpu, capability, backward=True)[1] for s in LENGTHS]
+    kernels = [[compiled.fused_kernels(g) for g in (r["forward"][-1], r["backward"][-1])] for r in runs]
+    externs = [compiled.extern_kernels(runs[0][k][-1]) for k in ("forward", "backward")]
+    return CompiledWork(
+        fwd_kernels=kernels[0][0].count + externs[0],
+        bwd_kernels=kernels[0][1].count + externs[1],
+        fwd_bytes=_per_token(kernels[0][0].nbytes, kernels[1][0].nbytes),
+        bwd_bytes=_per_token(kernels[0][1].nbytes, kernels[1][1].nbytes),
+    )
 
 
 # the plans on which a derived block's formulas are checked against its trace (on the CPU's kernels)
@@ -90,12 +135,16 @@ def _one_layer(model: ModelSpec) -> ModelSpec:
     return dataclasses.replace(model, num_layers=1, n_params=0, hf_extra=extra)
 
 
-def _saved(model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int]) -> float:
-    """Bytes of the distinct storages the first block saves for backward in one fake forward."""
+def _census(
+    model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
+) -> tuple[float, dict]:
+    """Bytes of the distinct storages the first block saves for backward in one fake forward, and
+    for a ``torch_compile`` plan the block's partitioned graphs (``CompiledBlocks.graphs``; the
+    backward's once ``backward`` runs it)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.evaluators import moe, simulated, unroll
+    from autofit.evaluators import compiled, moe, simulated, unroll
     from autofit.evaluators import runtime as rt
 
     flash2 = plan.attention is Attention.FLASH2
@@ -105,6 +154,7 @@ def _saved(model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
     block = unroll.decoder_layers(net, model.family.decoder_layer)[0]
+    stand_in = compiled.CompiledBlocks([block]) if plan.torch_compile else None
     own = {_key(t) for t in rt.state_tensors(net)}
     inside, seen = [False], {}
 
@@ -131,10 +181,12 @@ def _saved(model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[
         if not cpu:
             stack.enter_context(simulated.cuda_kernels_mode()(capability))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        net(**fake_batch, use_cache=False)
+        out = net(**fake_batch, use_cache=False)
+        if backward:
+            out.logits.float().sum().backward()
     for h in hooks:
         h.remove()
-    return float(sum(seen.values()))
+    return float(sum(seen.values())), (stand_in.graphs if stand_in is not None else {})
 
 
 def _key(t) -> int:

@@ -291,6 +291,7 @@ def _candidates(
     toggles = (
         ("fused_loss", "fused loss"),
         ("fused_kernels", "fused kernels"),
+        ("torch_compile", "torch.compile"),
         ("offload_activations", "activation offload"),
         ("optimizer_in_backward", "optimizer in backward"),
     )

@@ -139,6 +139,9 @@ class SearchSpace:
     fused_loss_single_rank_only: bool = False
     # context parallelism, which the measured evaluator does not run (measured.not_measurable)
     allow_context_parallel: bool = True
+    # torch.compile of the blocks, whose first steps compile: not in a measured study's space (its
+    # warm-up has not been checked to cover inductor's compile on a GPU)
+    allow_torch_compile: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -301,6 +304,7 @@ class SearchSpace:
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
         switches = self._switches(trial, precision, sharding, mb, ckpt, cp)
+        switches["torch_compile"] = self._compile(trial, method, switches, cp)
         if switches["checkpoint_ops"]:
             ckpt = Checkpointing.SELECTIVE
         return Plan(
@@ -358,6 +362,18 @@ class SearchSpace:
             "optimizer_in_backward": in_bwd,
             "checkpoint_ops": ops,
         }
+
+    def _compile(self, trial: TrialLike, method: Method, switches: dict[str, bool], cp: int) -> bool:
+        """torch.compile of the blocks on GPU targets, where it is modelled (plan._compile_problems)."""
+        if (
+            not self.allow_torch_compile
+            or self.ctx.cluster.gpu.kind != "cuda"
+            or method in (Method.QLORA, Method.LORA_8BIT)
+            or cp > 1
+            or any(switches[k] for k in ("fused_kernels", "offload_activations", "checkpoint_ops"))
+        ):
+            return False
+        return bool(trial.suggest_categorical("torch_compile", [False, True]))
 
     def enumerate(self) -> Iterator[Plan]:
         """Every plan ``suggest`` can return (for screening), walking the same tree."""

@@ -156,6 +156,14 @@ FAST = [
         Plan(method="lora-8bit", lora_rank=8, precision="bf16-mixed", micro_batch=2).replace(offload_activations=True),
     ),
     ("gpt2", Plan(method="lora-8bit", lora_rank=8, precision="fp16-mixed", micro_batch=2, checkpointing="full")),
+    # torch.compile of the blocks: the partitioned graphs (evaluators/compiled.py) on real tensors
+    ("mistral-7b", Plan(precision="bf16-mixed", micro_batch=2).replace(torch_compile=True)),
+    (
+        "gpt2",
+        Plan(method="lora", lora_rank=8, precision="32-true", micro_batch=2, checkpointing="full").replace(
+            torch_compile=True
+        ),
+    ),
 ]
 
 
@@ -498,6 +506,9 @@ ANALYTIC_PLANS = [
     Plan(method="lora-8bit", lora_rank=16, precision="bf16-true", checkpointing="full", micro_batch=2).replace(
         offload_activations=True
     ),
+    # torch.compile: the formulas' block moved by what one traced compiled block saves less
+    Plan(precision="bf16-true", micro_batch=2).replace(torch_compile=True),
+    Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=2).replace(torch_compile=True),
 ]
 
 

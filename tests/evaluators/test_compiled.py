@@ -1,0 +1,128 @@
+"""torch.compile of the blocks: the stand-in (evaluators/compiled.py) against inductor on real CPU
+tensors, the fusion count, and what the estimators make of it."""
+
+import shutil
+
+import pytest
+import torch
+
+from autofit.errors import PlanError
+from autofit.evaluators import compiled
+from autofit.evaluators import runtime as rt
+from autofit.evaluators.analytic import estimate
+from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
+from autofit.plan import Plan, validate_plan
+from autofit.specs import Target, Workload, parse_cluster
+from tests.conftest import tiny
+
+PLANS = [
+    Plan(precision="bf16-true", micro_batch=2),
+    Plan(precision="32-true", attention="eager", micro_batch=2),  # inductor rewrites the scores into sdpa
+    Plan(precision="bf16-mixed", micro_batch=2),
+    Plan(method="lora", lora_rank=8, precision="bf16-true", micro_batch=2),
+]
+
+
+def _block_saves(spec, plan, how: str) -> tuple[int, list[torch.Tensor]]:
+    """Bytes of the distinct storages the first block saves for backward (parameters left out), and
+    its parameters' gradients, on real CPU tensors."""
+    torch.manual_seed(0)
+    net = rt.build_model(spec, plan)
+    block = [m for m in net.modules() if type(m).__name__ == spec.family.decoder_layer][0]
+    if how == "inductor":
+        block.compile(backend="inductor")
+    elif how == "stand-in":
+        compiled.CompiledBlocks([block])
+    batch = rt.batches_for(spec, plan, Workload(seq_len=128, global_batch=2))[0]
+    own = {t.untyped_storage()._cdata for t in rt.state_tensors(net)}
+    inside, seen = [False], {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if inside[0] and key not in own:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    dtype = rt.layout(plan).autocast_dtype
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = net(**batch, use_cache=False)
+    out.loss.backward()
+    return sum(seen.values()), [p.grad.clone() for p in block.parameters() if p.grad is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.summary())
+def test_the_stand_in_saves_what_inductor_saves(plan):
+    """The stand-in's partitioned block keeps, to the byte, what torch.compile with inductor keeps,
+    and less than eager does."""
+    spec = tiny("llama-3.2-1b", layers=1)
+    eager, _ = _block_saves(spec, plan, "eager")
+    inductor, _ = _block_saves(spec, plan, "inductor")
+    stand_in, _ = _block_saves(spec, plan, "stand-in")
+    assert stand_in == inductor < eager
+
+
+@pytest.mark.parametrize("plan", PLANS[:2], ids=lambda p: p.summary())
+def test_the_stand_in_computes_eager_gradients(plan):
+    spec = tiny("llama-3.2-1b", layers=1)
+    _, eager = _block_saves(spec, plan, "eager")
+    _, stand_in = _block_saves(spec, plan, "stand-in")
+    assert len(eager) == len(stand_in) > 0
+    for a, b in zip(eager, stand_in):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
+
+
+def test_fusion_counts_one_kernel_per_chain_between_library_calls():
+    def f(x, w, b):
+        y = (x * 2 + b).relu()  # one kernel: reads x and b, writes y
+        z = y @ w  # a library GEMM
+        return (z.exp() / z.sum(-1, keepdim=True),)  # one kernel: reads z, writes the output
+
+    x, w, b = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(x, w, b)
+    k = compiled.fused_kernels(gm)
+    assert k.count == 2
+    assert k.nbytes == (32 + 4 + 32) * 4 + (32 + 32) * 4
+    assert compiled.extern_kernels(gm) == 1
+
+
+def test_compiled_blocks_save_less_and_run_faster_in_both_estimators():
+    spec = tiny("llama-3.2-1b", layers=3)
+    ctx = Target(spec, parse_cluster("1xH100"), Workload(seq_len=256, global_batch=4))
+    cache = TraceCache()
+    out = {}
+    for on in (False, True):
+        plan = Plan(precision="bf16-true", micro_batch=2, grad_accum=2).replace(torch_compile=on)
+        out[on] = SimulatedEvaluator(cache).evaluate(plan, ctx), estimate(plan, ctx)
+    for i in range(2):
+        eager, comp = out[False][i], out[True][i]
+        assert comp.memory.activations < 0.85 * eager.memory.activations
+        assert comp.throughput.tokens_per_sec > eager.throughput.tokens_per_sec
+    sim, ana = out[True]
+    assert ana.memory.peak_allocated == pytest.approx(sim.memory.peak_allocated, rel=0.02)
+    assert ana.throughput.tokens_per_sec == pytest.approx(sim.throughput.tokens_per_sec, rel=0.08)
+
+
+def test_what_compile_is_not_modelled_with_is_refused():
+    spec = tiny("llama-3.2-1b")
+    with pytest.raises(PlanError) as err:
+        validate_plan(
+            Plan(method="qlora", lora_rank=8, precision="bf16-mixed").replace(torch_compile=True, fused_kernels=True),
+            spec,
+            parse_cluster("1xH100"),
+            Workload(seq_len=256, global_batch=1),
+        )
+    lines = str(err.value)
+    assert "--torch-compile is not modelled with 4-bit base weights (qlora)" in lines
+    assert "--torch-compile is not modelled with --fused-kernels" in lines
+
+
+def test_plan_id_is_unchanged_without_compile():
+    plan = Plan(precision="bf16-true")
+    assert "torch_compile" not in plan.as_dict()
+    assert plan.replace(torch_compile=True).plan_id != plan.plan_id
+    assert "compiled" in plan.replace(torch_compile=True).summary()
