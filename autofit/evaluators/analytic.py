@@ -49,6 +49,10 @@ class _Block:
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
+    # a compiled block's backward graph: its transient s² bytes per token, and bytes beside them (the
+    # weight gradients it returns before they are accumulated)
+    bwd_quad: float = 0.0
+    bwd_const: float = 0.0
     held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
@@ -534,7 +538,15 @@ def _compiled_block(blk: _Block, model: ModelSpec, plan: Plan, cpu: bool, capabi
 
     tok, quad = traced.block_terms(model, plan, cpu, capability)
     eager_tok, eager_quad = traced.block_terms(model, plan.replace(torch_compile=False), cpu, capability)
-    return replace(blk, tok=max(0.0, blk.tok + tok - eager_tok), quad=max(0.0, blk.quad + quad - eager_quad))
+    const, bwd_tok, bwd_quad = traced.compiled_work(model, plan, cpu, capability).bwd_transient
+    return replace(
+        blk,
+        tok=max(0.0, blk.tok + tok - eager_tok),
+        quad=max(0.0, blk.quad + quad - eager_quad),
+        bwd_const=const,
+        bwd_tok=max(blk.bwd_tok, bwd_tok),
+        bwd_quad=bwd_quad,
+    )
 
 
 def _block_note(model: ModelSpec) -> dict[str, str]:
@@ -868,7 +880,7 @@ def _activations(
         offloaded, saved_blocks = saved_blocks - L * held, L * held
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
-    bwd_temp = t_mem * blk.bwd_tok
+    bwd_temp = blk.bwd_const + t_mem * (blk.bwd_tok + s * blk.bwd_quad)
     attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
     fwd_temp = t_mem * s * blk.fwd_quad
     if flags[-1]:

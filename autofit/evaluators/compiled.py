@@ -26,7 +26,6 @@ Imports torch at module level; nothing from autofit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -116,9 +115,13 @@ def _partition(gm, joint_inputs, **kwargs):
     """Inductor's own partition function (``torch/_inductor/compile_fx.py``: its joint-graph passes,
     which rewrite an eager attention's matmul-softmax-matmul into sdpa, then the min-cut
     partitioner with ``compiler="inductor"``)."""
+    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
 
-    return partition_fn(gm, joint_inputs, **kwargs)
+    # compile_fx runs it with the trace's fake mode installed (a pass creating values reads V.fake_mode)
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        return partition_fn(gm, joint_inputs, **kwargs)
 
 
 def extern_kernels(gm: torch.fx.GraphModule) -> int:
@@ -129,10 +132,11 @@ def extern_kernels(gm: torch.fx.GraphModule) -> int:
 class CompiledBlocks:
     """Every given block's forward replaced by one AOTAutograd-compiled function of its
     parameters and tensor inputs (the blocks must share a structure, as regional compilation's
-    do). ``region(kernels)``, where given, is entered around each run of a partitioned graph
-    with what :func:`fused_kernels` made of it (the simulator's tracer prices them so)."""
+    do). ``region(kind, kernels)``, where given, is entered around each run of a partitioned graph
+    ("forward" or "backward") with what :func:`fused_kernels` made of it (the simulator's tracer
+    prices them so)."""
 
-    def __init__(self, blocks: Iterable[torch.nn.Module], region: Callable[[Kernels], Any] | None = None) -> None:
+    def __init__(self, blocks: Iterable[torch.nn.Module], region: Callable[[str, Kernels], Any] | None = None) -> None:
         self.blocks = list(blocks)
         self.region = region
         self._cache: dict[Any, Callable] = {}
@@ -206,7 +210,7 @@ class CompiledBlocks:
                     return run
 
                 def priced(args):
-                    with self.region(kernels):
+                    with self.region(kind, kernels):
                         return run(args)
 
                 priced._boxed_call = True
@@ -277,13 +281,3 @@ def _has_autocast(device: str) -> bool:
     except (RuntimeError, AttributeError):
         return False
     return True
-
-
-@contextlib.contextmanager
-def applied(blocks: Iterable[torch.nn.Module], region: Callable[[Kernels], Any] | None = None):
-    """:class:`CompiledBlocks` for the duration of the context."""
-    stand_in = CompiledBlocks(blocks, region)
-    try:
-        yield stand_in
-    finally:
-        stand_in.remove()

@@ -50,7 +50,7 @@ def _census_plan(plan: Plan) -> Plan:
 @functools.lru_cache(maxsize=512)
 def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     one = _one_layer(model)
-    return _per_token(*(_census(one, plan, s, cpu, capability)[0] for s in LENGTHS))
+    return _per_token(*(_census(one, plan, s, cpu, capability).saved for s in LENGTHS))
 
 
 def _per_token(b1: float, b2: float) -> tuple[float, float]:
@@ -64,12 +64,15 @@ def _per_token(b1: float, b2: float) -> tuple[float, float]:
 class CompiledWork:
     """A compiled block's kernels per micro-batch, forward and backward: how many it issues
     (fused kernels and library kernels), and the bytes its fused kernels move as
-    ``(per token, per token per attended position)`` (``compiled.fused_kernels``)."""
+    ``(per token, per token per attended position)`` (``compiled.fused_kernels``); and the most its
+    backward graph holds above what it started with, as ``(constant, per token, per token per
+    attended position)`` (the constant: the weight gradients it makes)."""
 
     fwd_kernels: int
     bwd_kernels: int
     fwd_bytes: tuple[float, float]
     bwd_bytes: tuple[float, float]
+    bwd_transient: tuple[float, float, float]
 
     def bytes(self, tokens: float, keys: float) -> tuple[float, float]:
         return tuple(tokens * (tok + quad * keys) for tok, quad in (self.fwd_bytes, self.bwd_bytes))
@@ -86,15 +89,30 @@ def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[in
     from autofit.evaluators import compiled
 
     one = _one_layer(model)
-    runs = [_census(one, plan, s, cpu, capability, backward=True)[1] for s in LENGTHS]
-    kernels = [[compiled.fused_kernels(g) for g in (r["forward"][-1], r["backward"][-1])] for r in runs]
-    externs = [compiled.extern_kernels(runs[0][k][-1]) for k in ("forward", "backward")]
+    runs = [_census(one, plan, s, cpu, capability, backward=True) for s in (*LENGTHS, THIRD)]
+    kernels = [[compiled.fused_kernels(g) for g in (r.graphs["forward"][-1], r.graphs["backward"][-1])] for r in runs]
+    externs = [compiled.extern_kernels(runs[0].graphs[k][-1]) for k in ("forward", "backward")]
     return CompiledWork(
         fwd_kernels=kernels[0][0].count + externs[0],
         bwd_kernels=kernels[0][1].count + externs[1],
         fwd_bytes=_per_token(kernels[0][0].nbytes, kernels[1][0].nbytes),
         bwd_bytes=_per_token(kernels[0][1].nbytes, kernels[1][1].nbytes),
+        bwd_transient=_beside_constant([r.bwd_peak for r in runs]),
     )
+
+
+# a third census length, where a constant must be told apart from the per-token terms
+THIRD = 768
+
+
+def _beside_constant(values: list[float]) -> tuple[float, float, float]:
+    """``(c, t, q)`` of ``c + t·s + q·s²`` through the values at ``LENGTHS`` and ``THIRD``."""
+    s1, s2, s3 = (*LENGTHS, THIRD)
+    b1, b2, b3 = values
+    d21, d32 = (b2 - b1) / (s2 - s1), (b3 - b2) / (s3 - s2)
+    q = max(0.0, (d32 - d21) / (s3 - s1))
+    t = max(0.0, d21 - q * (s1 + s2))
+    return max(0.0, b1 - t * s1 - q * s1 * s1), t, q
 
 
 # the plans on which a derived block's formulas are checked against its trace (on the CPU's kernels)
@@ -135,12 +153,19 @@ def _one_layer(model: ModelSpec) -> ModelSpec:
     return dataclasses.replace(model, num_layers=1, n_params=0, hf_extra=extra)
 
 
+@dataclasses.dataclass
+class _Census:
+    saved: float  # bytes of the distinct storages the first block saves for backward
+    graphs: dict  # a compiled block's partitioned graphs (``CompiledBlocks.graphs``)
+    bwd_peak: float = 0.0  # the most a compiled block's backward graph held above its start
+
+
 def _census(
     model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
-) -> tuple[float, dict]:
-    """Bytes of the distinct storages the first block saves for backward in one fake forward, and
-    for a ``torch_compile`` plan the block's partitioned graphs (``CompiledBlocks.graphs``; the
-    backward's once ``backward`` runs it)."""
+) -> _Census:
+    """What the first block saves for backward in one fake forward; for a ``torch_compile`` plan
+    its partitioned graphs, and with ``backward`` the step's backward run, the most its backward
+    graph holds above what it started with (the tracker's log over that graph's run)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -154,7 +179,16 @@ def _census(
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
     block = unroll.decoder_layers(net, model.family.decoder_layer)[0]
-    stand_in = compiled.CompiledBlocks([block]) if plan.torch_compile else None
+    windows: list[tuple[int, int]] = []  # the tracker's log over each backward graph's run
+
+    @contextlib.contextmanager
+    def region(kind, _kernels):
+        start = len(tracer.log)
+        yield
+        if kind == "backward":
+            windows.append((start, len(tracer.log)))
+
+    stand_in = compiled.CompiledBlocks([block], region) if plan.torch_compile else None
     own = {_key(t) for t in rt.state_tensors(net)}
     inside, seen = [False], {}
 
@@ -186,7 +220,20 @@ def _census(
             out.logits.float().sum().backward()
     for h in hooks:
         h.remove()
-    return float(sum(seen.values())), (stand_in.graphs if stand_in is not None else {})
+    return _Census(
+        saved=float(sum(seen.values())),
+        graphs=stand_in.graphs if stand_in is not None else {},
+        bwd_peak=max((_rise(tracer.log[a:b]) for a, b in windows), default=0.0),
+    )
+
+
+def _rise(events: list[tuple[int, int]]) -> float:
+    """The most a run of (key, ±bytes) events holds above its start."""
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return float(peak)
 
 
 def _key(t) -> int:
