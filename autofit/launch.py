@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import resource
 import sys
 import time
@@ -151,6 +152,8 @@ class PlanTrainer(Trainer):
     def __init__(self, *args: Any, export: Export, **kwargs: Any) -> None:
         self.export = export
         self.plan = export.plan
+        if self.plan.torch_compile:  # block by block as modelled, also where accelerate launch did not set it
+            os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "True")
         self.tokens = 0  # real tokens this rank trained on
         self.fsdp_switched = False
         super().__init__(*args, **kwargs)
@@ -185,6 +188,8 @@ class PlanTrainer(Trainer):
             applied.append("activation offloading to host memory")
         if plan.optimizer_in_backward:
             applied.append("optimizer step in backward")
+        if self.args.torch_compile:
+            applied.append("torch.compile of every decoder block (accelerate's regional compilation)")
         return applied
 
     def create_accelerator_and_postprocess(self) -> None:

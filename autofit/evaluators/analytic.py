@@ -49,10 +49,6 @@ class _Block:
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
-    # a compiled block's backward graph: its transient s² bytes per token, and bytes beside them (the
-    # weight gradients it returns before they are accumulated)
-    bwd_quad: float = 0.0
-    bwd_const: float = 0.0
     held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
@@ -61,6 +57,9 @@ class _Block:
     # token and per token per attended position (``sac_saves``; 0 under any other checkpointing)
     sac_tok: float = 0.0
     sac_quad: float = 0.0
+    # a compiled block's backward graph: what it holds above its start after each node, as
+    # (per micro-batch, per token, per token per attended position) (``traced.CompiledWork``)
+    bwd_rise: tuple[tuple[float, float, float], ...] = ()
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -532,20 +531,16 @@ def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabi
 
 def _compiled_block(blk: _Block, model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> _Block:
     """The formulas' block under torch.compile: its saves moved by what the partitioner keeps less
-    (or more) than eager on one traced block (``traced.block_terms`` of the plan with and without
-    it: evaluators/compiled.py); the transients around the block are eager's, an upper bound."""
+    (or more) than eager on one traced block (``traced.compile_delta``: evaluators/compiled.py),
+    and its backward graph's rise beside eager's transients."""
     from autofit.evaluators import traced
 
-    tok, quad = traced.block_terms(model, plan, cpu, capability)
-    eager_tok, eager_quad = traced.block_terms(model, plan.replace(torch_compile=False), cpu, capability)
-    const, bwd_tok, bwd_quad = traced.compiled_work(model, plan, cpu, capability).bwd_transient
+    dtok, dquad = traced.compile_delta(model, plan, cpu, capability)
     return replace(
         blk,
-        tok=max(0.0, blk.tok + tok - eager_tok),
-        quad=max(0.0, blk.quad + quad - eager_quad),
-        bwd_const=const,
-        bwd_tok=max(blk.bwd_tok, bwd_tok),
-        bwd_quad=bwd_quad,
+        tok=max(0.0, blk.tok + dtok),
+        quad=max(0.0, blk.quad + dquad),
+        bwd_rise=traced.compiled_work(model, plan, cpu, capability).bwd_rise,
     )
 
 
@@ -880,7 +875,9 @@ def _activations(
         offloaded, saved_blocks = saved_blocks - L * held, L * held
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
-    bwd_temp = blk.bwd_const + t_mem * (blk.bwd_tok + s * blk.bwd_quad)
+    bwd_temp = t_mem * blk.bwd_tok
+    if blk.bwd_rise:  # a compiled block's backward runs as one graph
+        bwd_temp = max(bwd_temp, max(c + t_mem * (t + s * q) for c, t, q in blk.bwd_rise))
     attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
     fwd_temp = t_mem * s * blk.fwd_quad
     if flags[-1]:

@@ -46,7 +46,7 @@ class Kernels:
     read outside it once)."""
 
     count: int
-    nbytes: float
+    nbytes: Any  # float, or what fused_kernels' ``size`` gives summed
 
 
 def is_extern(target: Any) -> bool:
@@ -70,13 +70,14 @@ def _bytes(node: torch.fx.Node) -> float:
     return float(sum(t.numel() * t.element_size() for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)))
 
 
-def fused_kernels(gm: torch.fx.GraphModule) -> Kernels:
+def fused_kernels(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], Any] = _bytes) -> Kernels:
     """The fused kernels of a partitioned graph: its connected groups of ops that are not library
     kernels (views and metadata ops join a group and move nothing), one kernel each, moving the
     bytes of the values it reads from outside and of those it writes that anything outside reads.
     Inductor may split a group where a reduction's loop differs from its consumers'; this counts
     the fewest kernels and bytes such a graph can take (``torch/_inductor/scheduler.py`` fuses
-    nodes that share reads or feed each other)."""
+    nodes that share reads or feed each other). ``size``: a node's bytes (a number, or a tuple of
+    them summed elementwise)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not is_extern(n.target)]
     parent = {n: n for n in nodes}
 
@@ -101,8 +102,14 @@ def fused_kernels(gm: torch.fx.GraphModule) -> Kernels:
         reads = {m for n in members for m in n.all_input_nodes if m not in inside}
         writes = {n for n in members if any(u not in inside for u in n.users)}
         count += 1
-        nbytes += sum(_bytes(m) for m in reads) + sum(_bytes(n) for n in writes)
+        for m in (*reads, *writes):
+            nbytes = _plus(nbytes, size(m))
     return Kernels(count, nbytes)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    """``a + b`` for numbers, elementwise for tuples of them (``size``'s terms)."""
+    return a + b if not isinstance(b, tuple) else tuple(x + y for x, y in zip(a if a else (0.0,) * len(b), b))
 
 
 def _decompositions():

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import functools
 
-from autofit.plan import Attention, Checkpointing, Method, Plan
+from autofit.plan import Attention, Checkpointing, Method, Offload, OffloadDevice, Optimizer, Plan, Sharding
 from autofit.specs import ModelSpec, Workload
 from autofit.techniques import dtype_layout
 
@@ -31,11 +31,29 @@ LENGTHS = (256, 512)
 
 def block_terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     """``(bytes per token, bytes per token per attended position)`` the first block saves."""
-    return _terms(model, _census_plan(plan), cpu, capability)
+    tok, quad = _terms(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
+    if plan.torch_compile:
+        dtok, dquad = compile_delta(model, plan, cpu, capability)
+        tok, quad = max(0.0, tok + dtok), max(0.0, quad + dquad)
+    return tok, quad
+
+
+def compile_delta(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
+    """What torch.compile changes in the block's saves, ``(per token, per token per attended
+    position)``: the compiled census's less the eager one's (:func:`compiled_work`, :func:`eager_saved`)."""
+    _, tok, quad = compiled_work(model, plan, cpu, capability).saved
+    _, eager_tok, eager_quad = eager_saved(model, plan, cpu, capability)
+    return tok - eager_tok, quad - eager_quad
 
 
 def _census_plan(plan: Plan) -> Plan:
-    """The plan's fields that change what one block saves (the cache key)."""
+    """The plan with only the fields that change one block's census (the cache key): its method,
+    precision and attention, and the engine's layout (``runtime.layout``: plain torch, DeepSpeed's
+    16-bit module, FSDP2's fp32 shards)."""
+    # every ZeRO stage computes on DeepSpeed's 16-bit module (QLoRA's storage differs at stage 3)
+    sharding = plan.sharding
+    if plan.engine == "deepspeed" and plan.method is not Method.QLORA:
+        sharding = Sharding.ZERO2
     return plan.replace(
         micro_batch=1,
         grad_accum=1,
@@ -44,6 +62,12 @@ def _census_plan(plan: Plan) -> Plan:
         checkpoint_ops=False,
         offload_activations=False,
         fused_loss=False,
+        optimizer=Optimizer.ADAMW,
+        sharding=sharding,
+        offload=Offload.NONE,
+        offload_device=OffloadDevice.CPU,
+        optimizer_in_backward=False,
+        context_parallel=1,
     )
 
 
@@ -60,59 +84,146 @@ def _per_token(b1: float, b2: float) -> tuple[float, float]:
     return max(0.0, b1 / s1 - quad * s1), quad
 
 
+# the length of a compiled block's census, a prime: whether a tensor's size holds it twice, once or
+# not at all tells its terms apart (per token per attended position, per token, per micro-batch)
+PRIME = 251
+
+Terms = tuple[float, float, float]  # (per micro-batch, per token, per token per attended position)
+
+
+def _split(nbytes: int) -> Terms:
+    """One tensor's bytes at the census length ``PRIME`` (micro-batch 1) as its :data:`Terms`."""
+    if nbytes % (PRIME * PRIME) == 0:
+        return (0.0, 0.0, nbytes / PRIME**2)
+    if nbytes % PRIME == 0:
+        return (0.0, nbytes / PRIME, 0.0)
+    return (float(nbytes), 0.0, 0.0)
+
+
+def _sum(terms) -> Terms:
+    c = t = q = 0.0
+    for a, b, d in terms:
+        c, t, q = c + a, t + b, q + d
+    return (c, t, q)
+
+
+def _at(terms: Terms, tokens: float, keys: float) -> float:
+    c, t, q = terms
+    return c + tokens * (t + q * keys)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledWork:
-    """A compiled block's kernels per micro-batch, forward and backward: how many it issues
-    (fused kernels and library kernels), and the bytes its fused kernels move as
-    ``(per token, per token per attended position)`` (``compiled.fused_kernels``); and the most its
-    backward graph holds above what it started with, as ``(constant, per token, per token per
-    attended position)`` (the constant: the weight gradients it makes)."""
+    """A ``torch_compile`` plan's block from its partitioned graphs (the stand-in of
+    ``evaluators.compiled`` on one traced block), as :data:`Terms`: what its forward saves for
+    backward; the kernels it issues each way (fused kernels and library kernels) and the bytes its
+    fused kernels move (``compiled.fused_kernels``; the constant is the weights' reads and casts);
+    and what its backward graph holds above what it started with, after each of its nodes (a
+    static walk of the graph: each op's outputs made, each storage freed after its last use)."""
 
+    saved: Terms
     fwd_kernels: int
     bwd_kernels: int
-    fwd_bytes: tuple[float, float]
-    bwd_bytes: tuple[float, float]
-    bwd_transient: tuple[float, float, float]
+    fwd_bytes: Terms
+    bwd_bytes: Terms
+    bwd_rise: tuple[Terms, ...]
 
     def bytes(self, tokens: float, keys: float) -> tuple[float, float]:
-        return tuple(tokens * (tok + quad * keys) for tok, quad in (self.fwd_bytes, self.bwd_bytes))
+        """Forward and backward bytes of the fused kernels for a micro-batch of ``tokens``."""
+        return _at(self.fwd_bytes, tokens, keys), _at(self.bwd_bytes, tokens, keys)
+
+    def transient(self, tokens: float, keys: float) -> float:
+        """The most the backward graph holds above its start, for a micro-batch of ``tokens``."""
+        return max((_at(r, tokens, keys) for r in self.bwd_rise), default=0.0)
 
 
 def compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
-    """What the analytic time model needs of a ``torch_compile`` plan's block, from its partitioned
-    graphs (the stand-in of ``evaluators.compiled`` on one traced block, as :func:`block_terms`)."""
-    return _compiled_work(model, _census_plan(plan), cpu, capability)
+    """What the analytic evaluator needs of a ``torch_compile`` plan's block: one census at
+    ``PRIME`` tokens, forward and backward (one AOTAutograd compile of the block, ~1 s at any
+    size). FlashAttention-2 is censused as sdpa: the attention kernel is a library call either
+    way, and what compile changes is around it (:func:`_compiled_key`)."""
+    return _compiled_work(model, _compiled_key(plan), cpu, capability)
+
+
+def _compiled_key(plan: Plan) -> Plan:
+    key = _census_plan(plan).replace(torch_compile=True)
+    return key.replace(attention=Attention.SDPA, packing=False) if key.attention is Attention.FLASH2 else key
 
 
 @functools.lru_cache(maxsize=256)
 def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
     from autofit.evaluators import compiled
 
-    one = _one_layer(model)
-    runs = [_census(one, plan, s, cpu, capability, backward=True) for s in (*LENGTHS, THIRD)]
-    kernels = [[compiled.fused_kernels(g) for g in (r.graphs["forward"][-1], r.graphs["backward"][-1])] for r in runs]
-    externs = [compiled.extern_kernels(runs[0].graphs[k][-1]) for k in ("forward", "backward")]
+    run = _census(_one_layer(model), plan, PRIME, cpu, capability, backward=True)
+    fwd, bwd = run.graphs["forward"][-1], run.graphs["backward"][-1]
+    fk, bk = (compiled.fused_kernels(g, size=_node_terms) for g in (fwd, bwd))
     return CompiledWork(
-        fwd_kernels=kernels[0][0].count + externs[0],
-        bwd_kernels=kernels[0][1].count + externs[1],
-        fwd_bytes=_per_token(kernels[0][0].nbytes, kernels[1][0].nbytes),
-        bwd_bytes=_per_token(kernels[0][1].nbytes, kernels[1][1].nbytes),
-        bwd_transient=_beside_constant([r.bwd_peak for r in runs]),
+        saved=_sum(_split(n) for n in run.storages),
+        fwd_kernels=fk.count + compiled.extern_kernels(fwd),
+        bwd_kernels=bk.count + compiled.extern_kernels(bwd),
+        fwd_bytes=fk.nbytes,
+        bwd_bytes=bk.nbytes,
+        bwd_rise=_rise(bwd),
     )
 
 
-# a third census length, where a constant must be told apart from the per-token terms
-THIRD = 768
+def eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> Terms:
+    """What the block saves without torch.compile, as :data:`Terms` from one census at ``PRIME``
+    (what :class:`CompiledWork`'s ``saved`` is compared with)."""
+    return _eager_saved(model, _compiled_key(plan).replace(torch_compile=False), cpu, capability)
 
 
-def _beside_constant(values: list[float]) -> tuple[float, float, float]:
-    """``(c, t, q)`` of ``c + t·s + q·s²`` through the values at ``LENGTHS`` and ``THIRD``."""
-    s1, s2, s3 = (*LENGTHS, THIRD)
-    b1, b2, b3 = values
-    d21, d32 = (b2 - b1) / (s2 - s1), (b3 - b2) / (s3 - s2)
-    q = max(0.0, (d32 - d21) / (s3 - s1))
-    t = max(0.0, d21 - q * (s1 + s2))
-    return max(0.0, b1 - t * s1 - q * s1 * s1), t, q
+@functools.lru_cache(maxsize=256)
+def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> Terms:
+    return _sum(_split(n) for n in _census(_one_layer(model), plan, PRIME, cpu, capability).storages)
+
+
+def _node_terms(node) -> Terms:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    val = node.meta.get("val")
+    return _sum(_split(t.numel() * t.element_size()) for t in tree_leaves(val) if isinstance(t, torch.Tensor))
+
+
+def _rise(gm) -> tuple[Terms, ...]:
+    """What a graph holds above its start after each node, run op by op: an op's outputs are made
+    (a view or a tuple element shares its source's storage), and a storage, its inputs' included,
+    is freed after the last node reading it or any alias of it (what the boxed calling convention
+    of AOTAutograd's backward lets go). The graph's outputs stay."""
+    import operator
+
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    last = {n: index[n] for n in nodes}
+    for n in nodes:
+        for m in n.all_input_nodes:
+            last[m] = max(last[m], index[n])
+    outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    owner, death = {}, {}
+    for n in nodes:
+        aliased = (
+            n.op == "call_function"
+            and (n.target is operator.getitem or getattr(n.target, "is_view", False))
+            and n.all_input_nodes
+        )
+        owner[n] = owner[n.all_input_nodes[0]] if aliased else n
+        o = owner[n]
+        death[o] = len(nodes) if n in outputs or o in outputs else max(death.get(o, 0), last[n])
+    dying: dict[int, list] = {}
+    for o, i in death.items():
+        dying.setdefault(i, []).append(o)
+    live, out = (0.0, 0.0, 0.0), []
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and owner[n] is n:
+            live = _sum((live, _node_terms(n)))
+        out.append(live)
+        for o in dying.get(i, ()):
+            if o.op == "placeholder":
+                continue
+            c, t, q = _node_terms(o)
+            live = _sum((live, (-c, -t, -q)))
+    return tuple(out)
 
 
 # the plans on which a derived block's formulas are checked against its trace (on the CPU's kernels)
@@ -157,15 +268,14 @@ def _one_layer(model: ModelSpec) -> ModelSpec:
 class _Census:
     saved: float  # bytes of the distinct storages the first block saves for backward
     graphs: dict  # a compiled block's partitioned graphs (``CompiledBlocks.graphs``)
-    bwd_peak: float = 0.0  # the most a compiled block's backward graph held above its start
+    storages: list[int]  # the bytes of each of those storages
 
 
 def _census(
     model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
 ) -> _Census:
     """What the first block saves for backward in one fake forward; for a ``torch_compile`` plan
-    its partitioned graphs, and with ``backward`` the step's backward run, the most its backward
-    graph holds above what it started with (the tracker's log over that graph's run)."""
+    its partitioned graphs (the backward's once ``backward`` runs the step's backward)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -179,16 +289,7 @@ def _census(
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
     block = unroll.decoder_layers(net, model.family.decoder_layer)[0]
-    windows: list[tuple[int, int]] = []  # the tracker's log over each backward graph's run
-
-    @contextlib.contextmanager
-    def region(kind, _kernels):
-        start = len(tracer.log)
-        yield
-        if kind == "backward":
-            windows.append((start, len(tracer.log)))
-
-    stand_in = compiled.CompiledBlocks([block], region) if plan.torch_compile else None
+    stand_in = compiled.CompiledBlocks([block]) if plan.torch_compile else None
     own = {_key(t) for t in rt.state_tensors(net)}
     inside, seen = [False], {}
 
@@ -223,17 +324,8 @@ def _census(
     return _Census(
         saved=float(sum(seen.values())),
         graphs=stand_in.graphs if stand_in is not None else {},
-        bwd_peak=max((_rise(tracer.log[a:b]) for a, b in windows), default=0.0),
+        storages=list(seen.values()),
     )
-
-
-def _rise(events: list[tuple[int, int]]) -> float:
-    """The most a run of (key, ±bytes) events holds above its start."""
-    live = peak = 0
-    for _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return float(peak)
 
 
 def _key(t) -> int:

@@ -80,6 +80,11 @@ def accelerate_config(plan: Plan, ctx: Target, deepspeed_config_file: str | None
         cfg["fsdp_config"] = fsdp_config(plan, ctx)
     if plan.context_parallel > 1:
         cfg["parallelism_config"] = parallelism_config(plan, ctx)
+    if plan.torch_compile:
+        # accelerate launch passes these on as ACCELERATE_DYNAMO_*; the Trainer's TorchDynamoPlugin reads
+        # them, and prepare compiles each repeated block in place (utils.compile_regions and its FSDP2 and
+        # DeepSpeed forms): what evaluators/compiled.py models
+        cfg["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
     return cfg
 
 

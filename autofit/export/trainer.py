@@ -74,6 +74,12 @@ def trainer_args(plan: Plan, ctx: Target, *, deepspeed_config_file: str = DS_CON
             f"{plan.context_parallel} ranks (cp_size); the Trainer runs each step in "
             "accelerator.maybe_context_parallel and shifts the labels itself"
         )
+    if plan.torch_compile:
+        ta["torch_compile"] = True
+        notes.append(
+            "torch.compile: accelerate_config.yaml's dynamo_config compiles every decoder block with inductor "
+            "(regional compilation); the first steps compile, which their step times include"
+        )
     if plan.optimizer_in_backward:  # each gradient is stepped and freed inside backward
         ta["max_grad_norm"] = 0.0
     liger = plan.fused_loss and ctx.model.family.liger

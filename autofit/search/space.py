@@ -304,7 +304,7 @@ class SearchSpace:
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
         switches = self._switches(trial, precision, sharding, mb, ckpt, cp)
-        switches["torch_compile"] = self._compile(trial, method, switches, cp)
+        switches["torch_compile"] = self._compile(trial, method, attention, switches, cp)
         if switches["checkpoint_ops"]:
             ckpt = Checkpointing.SELECTIVE
         return Plan(
@@ -363,12 +363,16 @@ class SearchSpace:
             "checkpoint_ops": ops,
         }
 
-    def _compile(self, trial: TrialLike, method: Method, switches: dict[str, bool], cp: int) -> bool:
-        """torch.compile of the blocks on GPU targets, where it is modelled (plan._compile_problems)."""
+    def _compile(
+        self, trial: TrialLike, method: Method, attention: Attention, switches: dict[str, bool], cp: int
+    ) -> bool:
+        """torch.compile of the blocks on GPU targets, where it is modelled (plan._compile_problems);
+        not beside eager attention, which inductor turns into sdpa (choose sdpa instead)."""
         if (
             not self.allow_torch_compile
             or self.ctx.cluster.gpu.kind != "cuda"
             or method in (Method.QLORA, Method.LORA_8BIT)
+            or attention is Attention.EAGER
             or cp > 1
             or any(switches[k] for k in ("fused_kernels", "offload_activations", "checkpoint_ops"))
         ):

@@ -69,6 +69,9 @@ def sweep(ctx: Target) -> Iterator[Plan]:
             fused_loss=i % 5 == 0,
             fused_kernels=i % 3 == 1 and ctx.model.family.fused_kernels,
         )
+        if i % 4 == 2:  # where plan_problems allows it
+            compiled = plan.replace(torch_compile=True)
+            plan = plan if plan_problems(compiled, ctx.model, ctx.cluster, ctx.workload) else compiled
         if not plan_problems(plan, ctx.model, ctx.cluster, ctx.workload):
             yield plan
 

@@ -191,3 +191,23 @@ def test_fsdp_wraps_each_familys_decoder_layer(model_type):
     assert names.count(FAMILIES[model_type].decoder_layer) == 2
     assert set(fsdp_wrap_classes(spec).split(",")) == set(model._no_split_modules)
     assert FAMILIES[model_type].decoder_layer in model._no_split_modules
+
+
+def test_compiled_plan_launches_with_regional_compilation(tmp_path, accelerate_launch, launched_env):
+    """torch.compile of the blocks: accelerate launch hands inductor and regional compilation to the
+    Trainer's TorchDynamoPlugin, which compiles block by block (what evaluators/compiled.py models)."""
+    from autofit.search.request import build_context
+
+    ctx = build_context("llama-3.1-8b", "2xH100", seq_len=4096, global_batch=4)
+    plan = Plan(method="lora", lora_rank=16, micro_batch=1, grad_accum=2, sharding="fsdp").replace(torch_compile=True)
+    launch = accelerate_launch(_export_to(tmp_path, plan, ctx))
+    check(plan, ctx, launch, launched_env)
+    env = launch.env
+    assert env["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
+    assert env["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] == "True"
+    launched_env(env)
+    from accelerate.utils import TorchDynamoPlugin
+
+    plugin = TorchDynamoPlugin(backend="inductor")  # as the Trainer builds it from torch_compile
+    assert plugin.use_regional_compilation and plugin.backend.value == "INDUCTOR"
+    assert "dynamo_config" not in accelerate_config(plan.replace(torch_compile=False), ctx)
