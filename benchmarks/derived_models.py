@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 import warnings
+
+from _emit import emit  # beside this file
 
 from autofit.evaluators import traced
 from autofit.evaluators.analytic import estimate
@@ -100,12 +101,7 @@ def main() -> int:
         "|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    sys.stdout.write(text)
-    return 0
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

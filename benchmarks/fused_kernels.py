@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
+
+from _emit import emit  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -71,13 +72,7 @@ def main() -> int:
         "| model | plan | peak GiB, simulated | peak GiB, analytic | tokens/s, simulated | tokens/s, analytic |",
         "|---|---|---|---|---|---|",
     ]
-    text = "\n".join(header + rows) + "\n"
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return emit(header + rows, args.out)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
+
+from _emit import emit  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -75,12 +76,7 @@ def main() -> int:
         "|---|---|---|---:|---:|---:|---:|---:|",
         *rows,
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    sys.stdout.write(text)
-    return 0
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 
+from _emit import emit  # beside this file
 from _frontier import best_per_method, cells  # beside this file
 
 from autofit.evaluators.analytic import estimate
@@ -108,12 +109,7 @@ def main() -> int:
         *front,
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 0
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

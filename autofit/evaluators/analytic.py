@@ -1303,28 +1303,13 @@ def step_work(
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
     recomputed, attn_recompute = _recomputed(plan, ctx, (*block, *adapters), rc, attn_fwd)
 
-    # memory-bound traffic: activations written in forward and read in backward, their
-    # gradients written and read (eager's s² tensors are in block_bytes); the logits path
-    elementwise = block_bytes * L
-    # Liger's kernels read and write each norm, SwiGLU and RoPE tensor once where eager chains
-    # of ops each read and write it (``fused_traffic``)
-    fused_fwd = fused_traffic(model, T) if plan.fused_kernels else 0.0
     logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
     q_fwd, q_bwd, q_k_fwd, q_k_bwd = _quantized_work(model, plan, T, cluster.gpu.kind == "cpu")
-    head_params = model.vocab_size * model.hidden_size
-    # autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute);
-    # backward casts the 16-bit weight gradients back to fp32
-    casts = (model.linear_params() + head_params) * 6 if lay.autocasts and full else 0.0
+    fwd_bytes, bwd_bytes, casts = _block_traffic(plan, ctx, T, keys, block_bytes)
     k_fwd, k_bwd = _block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd)
-    fwd_bytes = max(0.0, 1.5 * elementwise - fused_fwd)
-    bwd_bytes = max(0.0, 2.5 * elementwise - 2.5 * fused_fwd)
     if plan.torch_compile:  # the compiled block's fused kernels and library calls (traced.compiled_work)
-        from autofit.evaluators import traced
-
-        work = traced.compiled_work(model, plan, cluster.gpu.kind == "cpu", cluster.gpu.compute_capability)
+        work = _compiled(plan, ctx)
         k_fwd, k_bwd = work.fwd_kernels, work.bwd_kernels
-        fwd_bytes, bwd_bytes = (L * b for b in work.bytes(T, keys))
-        casts = head_params * 6 if lay.autocasts and full else 0.0  # the blocks' casts are in their kernels
     forward = timing.PhaseWork(
         gemms=(*block, *head, *adapters),
         attention=attn_fwd,
@@ -1358,6 +1343,36 @@ def step_work(
         transfers=context.with_ring(costs.transfer_work(plan, model, cluster, sb, offloaded), model, plan, T, rc),
         model_flops=plan.grad_accum * model_flops,
     )
+
+
+def _block_traffic(plan: Plan, ctx: Target, tokens: float, keys: float, block_bytes: float):
+    """The blocks' memory-bound bytes forward and backward (a recompute repeats the forward's), and
+    autocast's weight casts, per micro-batch of ``tokens``.
+
+    Eager: activations written in forward and read in backward, their gradients written and read
+    (eager's s² tensors are in ``block_bytes``); Liger's kernels read and write each norm, SwiGLU
+    and RoPE tensor once where eager chains of ops each read and write it (``fused_traffic``).
+    Autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute), and
+    backward casts the 16-bit weight gradients back to fp32. Compiled: what the block's fused
+    kernels move (``traced.compiled_work``), the blocks' casts among them."""
+    model, L = ctx.model, ctx.model.num_layers
+    head_params = model.vocab_size * model.hidden_size
+    autocast_full = dtype_layout(plan).autocasts and plan.method is Method.FULL
+    if plan.torch_compile:
+        fwd, bwd = _compiled(plan, ctx).bytes(tokens, keys)
+        return L * fwd, L * bwd, head_params * 6 if autocast_full else 0.0
+    elementwise = block_bytes * L
+    fused_fwd = fused_traffic(model, tokens) if plan.fused_kernels else 0.0
+    casts = (model.linear_params() + head_params) * 6 if autocast_full else 0.0
+    return max(0.0, 1.5 * elementwise - fused_fwd), max(0.0, 2.5 * elementwise - 2.5 * fused_fwd), casts
+
+
+def _compiled(plan: Plan, ctx: Target):
+    """The compiled block's census (``traced.compiled_work``) on the target's kernels."""
+    from autofit.evaluators import traced
+
+    gpu = ctx.cluster.gpu
+    return traced.compiled_work(ctx.model, plan, gpu.kind == "cpu", gpu.compute_capability)
 
 
 def _recomputed(plan: Plan, ctx: Target, gemms: tuple[Gemm, ...], rc: float, attn_fwd: float):

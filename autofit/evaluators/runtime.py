@@ -717,16 +717,15 @@ class StepRunner:
         backward: Callable[[torch.Tensor], None] | None = None,
         micro_batch_context: Callable[[int, int], Any] | None = None,
         kernels: Any = None,
-        compile_blocks: Callable[[list[torch.nn.Module]], Any] | None = None,
     ) -> None:
         """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
         ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
         DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``).
         ``kernels``: a factory of a context manager entered around every forward computation,
         the checkpoint recompute in backward included (the simulator's stand-ins for a target
-        GPU's kernels on fake CPU tensors). ``compile_blocks``: what compiles the decoder blocks of a
-        ``torch_compile`` plan (the simulator's priced stand-in); by default each block's in-place
-        ``torch.compile``, or :mod:`autofit.evaluators.compiled`'s stand-in under a tracker."""
+        GPU's kernels on fake CPU tensors). A ``torch_compile`` plan's blocks are compiled in place
+        (``compile_regions``), or under a tracker by :mod:`autofit.evaluators.compiled`'s stand-in,
+        priced by the tracker's ``compiled_region`` where it has one (the simulator's)."""
         self.spec, self.plan, self.model, self.optimizer = spec, plan, model, optimizer
         self.device = torch.device(device)
         self.tracker = tracker
@@ -750,8 +749,8 @@ class StepRunner:
             blocks = [m for m in inner.modules() if type(m).__name__ == spec.family.decoder_layer]
             # dynamo compiles nothing under a TorchDispatchMode such as the tracker (FIELD-NOTES):
             # a tracked step runs the blocks as inductor partitions them, unfused
-            stand_in = compiled.CompiledBlocks if tracker is not None else compile_regions
-            self._compiled = (compile_blocks or stand_in)(blocks)
+            region = getattr(tracker, "compiled_region", None)
+            self._compiled = compiled.CompiledBlocks(blocks, region) if tracker is not None else compile_regions(blocks)
         if (tracker is not None or kernels is not None) and plan.checkpointing is not Checkpointing.NONE:
             # re-enable with a context for the recompute, so recomputed tensors count as
             # activations and run the same kernels as their forward

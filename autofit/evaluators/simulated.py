@@ -764,9 +764,7 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         # fake *CPU* tensors even for a CUDA target: on a CPU build of torch the first autograd op on a
         # fake CUDA tensor aborts the process (FakeTensorMode's _ensureCUDADeviceGuardSet patches only
         # CUDA builds), so the target's kernels come from CudaKernels instead (docs/EVALUATORS.md)
-        runner = rt.StepRunner(
-            built, traced, net, opt, device="cpu", tracker=tr, kernels=kernels, compile_blocks=_compile_stand_in(tr)
-        )
+        runner = rt.StepRunner(built, traced, net, opt, device="cpu", tracker=tr, kernels=kernels)
         step_s = []
         for step in range(len(fakes)):
             t = time.perf_counter()
@@ -815,17 +813,6 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         tags=tags,
         offloaded=offloaded,
     )
-
-
-def _compile_stand_in(tr):
-    """The stand-in for torch.compile of each block (evaluators.compiled), priced by ``tr``."""
-
-    def apply(blocks):
-        from autofit.evaluators import compiled
-
-        return compiled.CompiledBlocks(blocks, tr.compiled_region)
-
-    return apply
 
 
 def _offloaded(allocs: list[tuple[int, int, Any]], depth: Depth | None) -> float:

@@ -13,6 +13,12 @@ forward census cannot see, are taken at the sizes of a llama block of the same w
 
 A trace costs well under a second at any model size (fake tensors hold no memory) and is
 cached per plan's block-relevant fields.
+
+A ``torch_compile`` plan's block is censused once more, with ``evaluators.compiled``'s stand-in
+(one AOTAutograd compile, about a second), forward and backward at one prime length
+(``PRIME``), where a tensor's size tells its terms apart: what torch.compile changes in the
+saves, its partitioned graphs' kernels and fused bytes, and its backward graph's rise
+(:class:`CompiledWork`).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ def _census_plan(plan: Plan) -> Plan:
 @functools.lru_cache(maxsize=512)
 def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     one = _one_layer(model)
-    return _per_token(*(_census(one, plan, s, cpu, capability).saved for s in LENGTHS))
+    return _per_token(*(float(sum(_census(one, plan, s, cpu, capability).storages)) for s in LENGTHS))
 
 
 def _per_token(b1: float, b2: float) -> tuple[float, float]:
@@ -132,10 +138,6 @@ class CompiledWork:
         """Forward and backward bytes of the fused kernels for a micro-batch of ``tokens``."""
         return _at(self.fwd_bytes, tokens, keys), _at(self.bwd_bytes, tokens, keys)
 
-    def transient(self, tokens: float, keys: float) -> float:
-        """The most the backward graph holds above its start, for a micro-batch of ``tokens``."""
-        return max((_at(r, tokens, keys) for r in self.bwd_rise), default=0.0)
-
 
 def compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
     """What the analytic evaluator needs of a ``torch_compile`` plan's block: one census at
@@ -188,9 +190,10 @@ def _node_terms(node) -> Terms:
 
 def _rise(gm) -> tuple[Terms, ...]:
     """What a graph holds above its start after each node, run op by op: an op's outputs are made
-    (a view or a tuple element shares its source's storage), and a storage, its inputs' included,
-    is freed after the last node reading it or any alias of it (what the boxed calling convention
-    of AOTAutograd's backward lets go). The graph's outputs stay."""
+    (a view or a tuple element shares its source's storage), and freed after the last node reading
+    them or any alias of them (FX's generated code drops each value after its last use). Its inputs
+    (a backward's saved tensors, which AOTAutograd's context holds until the graph returns) and its
+    outputs stay."""
     import operator
 
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
@@ -266,9 +269,8 @@ def _one_layer(model: ModelSpec) -> ModelSpec:
 
 @dataclasses.dataclass
 class _Census:
-    saved: float  # bytes of the distinct storages the first block saves for backward
+    storages: list[int]  # the bytes of each distinct storage the first block saves for backward
     graphs: dict  # a compiled block's partitioned graphs (``CompiledBlocks.graphs``)
-    storages: list[int]  # the bytes of each of those storages
 
 
 def _census(
@@ -321,11 +323,7 @@ def _census(
             out.logits.float().sum().backward()
     for h in hooks:
         h.remove()
-    return _Census(
-        saved=float(sum(seen.values())),
-        graphs=stand_in.graphs if stand_in is not None else {},
-        storages=list(seen.values()),
-    )
+    return _Census(storages=list(seen.values()), graphs=stand_in.graphs if stand_in is not None else {})
 
 
 def _key(t) -> int:

@@ -276,12 +276,9 @@ def _context_parallel_candidates(plan: Plan) -> Iterator[tuple[str, str, Plan, l
         yield "context parallelism", label, plan.replace(context_parallel=cp // 2, grad_accum=ga // 2), []
 
 
-def _candidates(
-    plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
-) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
-    """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
-    invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
-    # each checkpointing, selective with each of its policies (a period, op-level)
+def _switch_candidates(plan: Plan) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
+    """Each checkpointing (selective with each of its policies: a period, op-level), and each
+    on/off technique flipped."""
     policies = [(c, None, False) for c in Checkpointing if c is not Checkpointing.SELECTIVE]
     policies += [(Checkpointing.SELECTIVE, DEFAULT_CHECKPOINT_EVERY, False), (Checkpointing.SELECTIVE, None, True)]
     for ckpt, every, ops in policies:
@@ -298,6 +295,14 @@ def _candidates(
     for name, technique in toggles:
         on = getattr(plan, name)
         yield technique, f"{technique} {'on → off' if on else 'off → on'}", plan.replace(**{name: not on}), []
+
+
+def _candidates(
+    plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None
+) -> Iterator[tuple[str, str, Plan, list[Plan]]]:
+    """``(technique, label, plan, fallbacks)``: fallbacks are tried in order when ``plan`` is
+    invalid; they change the one companion knob the technique needs (offload needs a sharding)."""
+    yield from _switch_candidates(plan)
     for a in Attention:
         if a is not plan.attention:
             yield "attention", f"attention {plan.attention.value} → {a.value}", plan.replace(attention=a), []
@@ -359,6 +364,26 @@ def _candidates(
         )
 
 
+def _valid_variant(
+    technique: str, label: str, variant: Plan, fallbacks: list[Plan], ctx: Target
+) -> tuple[str, Plan, list[str]]:
+    """The variant, or the first valid fallback with its companion knob named in the label; else,
+    where only torch.compile stands in the way (it is not modelled with QLoRA, Liger's kernels,
+    ...), the variant without it. The problems of the variant where none is valid."""
+    problems = plan_problems(variant, ctx.model, ctx.cluster, ctx.workload)
+    if not problems:
+        return label, variant, []
+    for alt in fallbacks:
+        if not plan_problems(alt, ctx.model, ctx.cluster, ctx.workload):
+            changed = alt.sharding if technique == "offload" else alt.offload
+            return f"{label} (with {'sharding' if technique == 'offload' else 'offload'} {changed.value})", alt, []
+    plain = variant.replace(torch_compile=False)
+    if variant.torch_compile and technique != "torch.compile":
+        if not plan_problems(plain, ctx.model, ctx.cluster, ctx.workload):
+            return f"{label} (without torch.compile)", plain, []
+    return label, variant, problems
+
+
 def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[Any]] | None = None) -> Effects:
     """Toggle one technique at a time from ``plan`` and evaluate each variant analytically.
 
@@ -374,14 +399,7 @@ def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[An
     skipped: list[tuple[str, tuple[str, ...]]] = []
     seen = {plan.plan_id}
     for technique, label, variant, fallbacks in _candidates(plan, ctx, allowed):
-        problems = plan_problems(variant, ctx.model, ctx.cluster, ctx.workload)
-        if problems:
-            for alt in fallbacks:
-                if not plan_problems(alt, ctx.model, ctx.cluster, ctx.workload):
-                    variant, problems = alt, []
-                    changed = alt.sharding if technique == "offload" else alt.offload
-                    label += f" (with {'sharding' if technique == 'offload' else 'offload'} {changed.value})"
-                    break
+        label, variant, problems = _valid_variant(technique, label, variant, fallbacks, ctx)
         if problems:
             skipped.append((label, tuple(problems)))
             continue

@@ -126,3 +126,30 @@ def test_plan_id_is_unchanged_without_compile():
     assert "torch_compile" not in plan.as_dict()
     assert plan.replace(torch_compile=True).plan_id != plan.plan_id
     assert "compiled" in plan.replace(torch_compile=True).summary()
+
+
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[3]], ids=lambda p: p.summary())
+def test_one_census_at_a_prime_length_gives_the_two_length_terms(plan):
+    """The analytic's single compiled census (terms told apart by divisibility by the prime length)
+    agrees with two censuses of the compiled block at 256 and 512 tokens."""
+    from autofit.evaluators import traced
+
+    spec = tiny("llama-3.2-1b", layers=1)
+    compiled_plan = plan.replace(torch_compile=True)
+    _, tok, quad = traced.compiled_work(spec, compiled_plan, False, (9, 0)).saved
+    two_lengths = traced._terms(spec, traced._census_plan(compiled_plan), False, (9, 0))
+    assert (tok, quad) == pytest.approx(two_lengths, rel=1e-3)  # (the two-length fit spreads a scalar)
+    assert traced.compile_delta(spec, compiled_plan, False, (9, 0))[0] < 0
+
+
+def test_the_reports_toggles_drop_compile_where_a_technique_cannot_have_it():
+    from autofit.report import analysis
+
+    spec = tiny("llama-3.2-1b")
+    ctx = Target(spec, parse_cluster("1xH100"), Workload(seq_len=256, global_batch=2))
+    plan = Plan(method="lora", lora_rank=16, precision="bf16-mixed", micro_batch=2).replace(torch_compile=True)
+    effects = analysis.technique_effects(plan, ctx, {"methods": ["lora", "qlora"], "lora_ranks": [16]})
+    (qlora,) = [t for t in effects.toggles if t.technique == "method"]
+    assert qlora.label == "method lora → qlora (without torch.compile)" and not qlora.plan.torch_compile
+    (compile_off,) = [t for t in effects.toggles if t.technique == "torch.compile"]
+    assert compile_off.memory_delta > 0  # eager keeps more for backward
