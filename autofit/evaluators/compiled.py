@@ -46,7 +46,7 @@ class Kernels:
     read outside it once)."""
 
     count: int
-    nbytes: Any  # float, or what fused_kernels' ``size`` gives summed
+    nbytes: float
 
 
 def is_extern(target: Any) -> bool:
@@ -70,14 +70,13 @@ def _bytes(node: torch.fx.Node) -> float:
     return float(sum(t.numel() * t.element_size() for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)))
 
 
-def fused_kernels(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], Any] = _bytes) -> Kernels:
-    """The fused kernels of a partitioned graph: its connected groups of ops that are not library
-    kernels (views and metadata ops join a group and move nothing), one kernel each, moving the
-    bytes of the values it reads from outside and of those it writes that anything outside reads.
+def kernel_moves(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+    """The fused kernels of a partitioned graph, each as the values it moves: its connected groups
+    of ops that are not library kernels (views and metadata ops join a group and move nothing), one
+    kernel each, reading the values it takes from outside and writing those anything outside reads.
     Inductor may split a group where a reduction's loop differs from its consumers'; this counts
     the fewest kernels and bytes such a graph can take (``torch/_inductor/scheduler.py`` fuses
-    nodes that share reads or feed each other). ``size``: a node's bytes (a number, or a tuple of
-    them summed elementwise)."""
+    nodes that share reads or feed each other)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not is_extern(n.target)]
     parent = {n: n for n in nodes}
 
@@ -94,22 +93,21 @@ def fused_kernels(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], Any]
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in nodes:
         groups.setdefault(root(n), []).append(n)
-    count, nbytes = 0, 0.0
+    kernels = []
     for members in groups.values():
         if not any(_moves_data(n) for n in members):
             continue  # views only: no kernel
         inside = set(members)
         reads = {m for n in members for m in n.all_input_nodes if m not in inside}
         writes = {n for n in members if any(u not in inside for u in n.users)}
-        count += 1
-        for m in (*reads, *writes):
-            nbytes = _plus(nbytes, size(m))
-    return Kernels(count, nbytes)
+        kernels.append([*reads, *writes])
+    return kernels
 
 
-def _plus(a: Any, b: Any) -> Any:
-    """``a + b`` for numbers, elementwise for tuples of them (``size``'s terms)."""
-    return a + b if not isinstance(b, tuple) else tuple(x + y for x, y in zip(a if a else (0.0,) * len(b), b))
+def fused_kernels(gm: torch.fx.GraphModule) -> Kernels:
+    """How many fused kernels :func:`kernel_moves` finds, and the bytes they move."""
+    moves = kernel_moves(gm)
+    return Kernels(len(moves), sum(_bytes(v) for values in moves for v in values))
 
 
 def _decompositions():
@@ -139,34 +137,33 @@ def extern_kernels(gm: torch.fx.GraphModule) -> int:
 class CompiledBlocks:
     """Every given block's forward replaced by one AOTAutograd-compiled function of its
     parameters and tensor inputs (the blocks must share a structure, as regional compilation's
-    do). ``region(kind, kernels)``, where given, is entered around each run of a partitioned graph
-    ("forward" or "backward") with what :func:`fused_kernels` made of it (the simulator's tracer
-    prices them so)."""
+    do). ``region(kernels)``, where given, is entered around each run of a partitioned graph with
+    what :func:`fused_kernels` made of it (the simulator's tracer prices them so)."""
 
-    def __init__(self, blocks: Iterable[torch.nn.Module], region: Callable[[str, Kernels], Any] | None = None) -> None:
+    def __init__(self, blocks: Iterable[torch.nn.Module], region: Callable[[Kernels], Any] | None = None) -> None:
         self.blocks = list(blocks)
         self.region = region
         self._cache: dict[Any, Callable] = {}
         self.graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
         for block in self.blocks:
-            block.forward = functools.partial(self._call, block, _undecorated(block))
+            block.forward = functools.partial(self._call, block, _undecorated(block), _structure(block))
 
     def remove(self) -> None:
         for block in self.blocks:
             del block.forward
 
-    def _call(self, block: torch.nn.Module, eager: Callable, *args, **kwargs):
+    def _call(self, block: torch.nn.Module, eager: Callable, structure: tuple, *args, **kwargs):
         """The block's call with its checkpoint outside the compiled function, as transformers'
         ``GradientCheckpointingLayer`` places it (``modeling_layers.py``: the layer's forward under
         ``_gradient_checkpointing_func``, its keyword arguments bound). Where the checkpoint is inside
         the compiled region instead (accelerate compiles the wrapped block), AOTAutograd recomputes
         the same forward in the backward graph and saves the same block inputs."""
         if getattr(block, "gradient_checkpointing", False) and block.training and torch.is_grad_enabled():
-            run = functools.partial(self._forward, block, eager, **kwargs)
+            run = functools.partial(self._forward, block, eager, structure, **kwargs)
             return block._gradient_checkpointing_func(run, *args)
-        return self._forward(block, eager, *args, **kwargs)
+        return self._forward(block, eager, structure, *args, **kwargs)
 
-    def _forward(self, block: torch.nn.Module, eager: Callable, *args, **kwargs):
+    def _forward(self, block: torch.nn.Module, eager: Callable, structure: tuple, *args, **kwargs):
         state = dict(block.named_parameters())
         state.update(block.named_buffers())
         names = tuple(state)
@@ -174,7 +171,8 @@ class CompiledBlocks:
         where = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         tensors = [leaves[i] for i in where]
         key = (
-            _structure(block),
+            structure,
+            block.training,
             names,
             spec,
             where,
@@ -217,7 +215,7 @@ class CompiledBlocks:
                     return run
 
                 def priced(args):
-                    with self.region(kind, kernels):
+                    with self.region(kernels):
                         return run(args)
 
                 priced._boxed_call = True
@@ -253,10 +251,10 @@ def _same(t):
 
 
 def _structure(block: torch.nn.Module) -> tuple:
-    """What makes two blocks' graphs differ beyond their tensors: each module's class and plain
-    attributes (a sliding window, an attention type, dropout in training), its layer index aside."""
+    """What makes two blocks' graphs differ beyond their tensors and training mode: each module's
+    class and plain attributes (a sliding window, an attention type), its layer index aside."""
     return tuple(
-        (name, type(m).__name__, m.training, *sorted((k, v) for k, v in vars(m).items() if _plain(k, v)))
+        (name, type(m).__name__, *sorted((k, v) for k, v in vars(m).items() if _plain(k, v)))
         for name, m in block.named_modules()
     )
 

@@ -600,7 +600,7 @@ def _make_tracer():
             return self.step == self.last_step and self.phase != "setup" and not self.host
 
         @contextlib.contextmanager
-        def compiled_region(self, kind, kernels):
+        def compiled_region(self, kernels):
             """Around one run of a compiled block's graph: its library kernels (GEMMs, attention)
             are priced as they run, the rest as the fused kernels inductor makes of them."""
             self.fusing += 1

@@ -158,13 +158,13 @@ def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[in
 
     run = _census(_one_layer(model), plan, PRIME, cpu, capability, backward=True)
     fwd, bwd = run.graphs["forward"][-1], run.graphs["backward"][-1]
-    fk, bk = (compiled.fused_kernels(g, size=_node_terms) for g in (fwd, bwd))
+    fk, bk = (compiled.kernel_moves(g) for g in (fwd, bwd))
     return CompiledWork(
         saved=_sum(_split(n) for n in run.storages),
-        fwd_kernels=fk.count + compiled.extern_kernels(fwd),
-        bwd_kernels=bk.count + compiled.extern_kernels(bwd),
-        fwd_bytes=fk.nbytes,
-        bwd_bytes=bk.nbytes,
+        fwd_kernels=len(fk) + compiled.extern_kernels(fwd),
+        bwd_kernels=len(bk) + compiled.extern_kernels(bwd),
+        fwd_bytes=_sum(_node_terms(v) for values in fk for v in values),
+        bwd_bytes=_sum(_node_terms(v) for values in bk for v in values),
         bwd_rise=_rise(bwd),
     )
 
