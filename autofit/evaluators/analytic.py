@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from autofit.evaluators import context, costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
@@ -60,6 +60,18 @@ class _Block:
     # a compiled block's backward graph: what it holds above its start after each node, as
     # (per micro-batch, per token, per token per attended position) (``traced.CompiledWork``)
     bwd_rise: tuple[tuple[float, float, float], ...] = ()
+    # a hybrid stack's kinds of block: the layers of each, and its own block (``_stack_block``)
+    kinds: tuple[tuple[tuple[int, ...], _Block], ...] = ()
+
+    def layers(self, num_layers: int) -> list[_Block]:
+        """Each layer's block, in order."""
+        if not self.kinds:
+            return [self] * num_layers
+        out: list[_Block] = [self] * num_layers
+        for idx, blk in self.kinds:
+            for i in idx:
+                out[i] = blk
+        return out
 
 
 def sdpa_kernel(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> str:
@@ -484,6 +496,8 @@ def block_activations(
     autocast runs them in fp32). ``capability``: the CUDA GPU's, which decides the sdpa
     kernel (``sdpa_kernel``).
     """
+    if model.hybrid:
+        return _stack_block(model, plan, masked, cpu, capability)
     if model.derived:  # read from transformers' model: its formulas, where one traced block confirms them
         from autofit.evaluators import traced
 
@@ -501,6 +515,23 @@ def block_activations(
         tok, quad, _, _ = sac_saves(model, plan, cpu, _sac_kernel(model, plan, kernel))
         blk = replace(blk, sac_tok=tok, sac_quad=quad)
     return blk
+
+
+def _stack_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
+    """A hybrid stack's blocks (``ModelSpec.layer_kinds``), each kind's as any model's, in one
+    ``_Block`` whose fields are every kind's worst for one block: the most it saves or holds as a
+    transient, the least it frees early; ``kinds`` keeps each kind's own for what the stack saves
+    layer by layer (``_activations``)."""
+    stack = model.stack
+    blocks = [block_activations(k, plan, masked, cpu, capability) for _, k in model.layer_kinds()]
+    kinds = tuple((tuple(i for i, x in enumerate(stack) if x == j), b) for j, b in enumerate(blocks))
+    freed = ("first_norm", "mlp_tok", "attn_freed", "probs_quad", "recompute_cut")
+    worst = {
+        f.name: (min if f.name in freed else max)(getattr(b, f.name) for b in blocks)
+        for f in fields(_Block)
+        if f.name not in ("bwd_rise", "kinds")
+    }
+    return _Block(**worst, bwd_rise=tuple(r for b in blocks for r in b.bwd_rise), kinds=kinds)
 
 
 def _formula_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
@@ -824,7 +855,8 @@ def _tokens(plan: Plan, workload: Workload) -> tuple[int, int, float, float]:
 class _Activations:
     """One micro-batch's activation bytes on one rank, and the transients around them."""
 
-    block: float  # one block's saved tensors
+    block: float  # one block's saved tensors (a hybrid stack's largest)
+    blocks: float  # every block's saved tensors, as none were checkpointed
     saved: float  # everything saved for backward: blocks (or their inputs), head, RoPE tables
     head: float  # saved outside the blocks
     rope: float  # RoPE's cos and sin
@@ -852,9 +884,6 @@ def _activations(
     head = t_mem * _head_activations(model, plan, ctx.cluster.gpu.kind == "cpu")
     flags = checkpointed_layers(plan, L)
     n_ckpt = sum(flags)
-    # a checkpointed block keeps its input (and what LLM.int8 holds, and what op-level
-    # checkpointing saves), the others their saves
-    held = t_mem * blk.held_tok
     # op-level checkpointing's saved outputs: its recompute takes them back instead of computing
     # them (they are among the block's saves then), and its forward makes them
     sac = t_mem * (blk.sac_tok + s * blk.sac_quad)
@@ -863,16 +892,29 @@ def _activations(
     inputs = (
         t_mem * model.hidden_size * (n_ckpt * _residual_bytes(model, plan, cpu) - flags[0] * _widened(model, plan, cpu))
     )
-    saved_blocks = inputs + n_ckpt * (sac + held) + (L - n_ckpt) * block_bytes
+    layers = blk.layers(L)  # each layer's own block (a hybrid stack's kinds differ)
+
+    def saves(b: _Block) -> float:
+        return t_mem * (b.tok + s * b.quad)
+
+    def kept(b: _Block) -> float:
+        """What a checkpointed block keeps beside its input (what LLM.int8 holds, and what
+        op-level checkpointing saves); the others keep their saves."""
+        return t_mem * (b.sac_tok + s * b.sac_quad + b.held_tok)
+
+    saved_blocks = inputs + sum(kept(b) if f else saves(b) for b, f in zip(layers, flags))
     if plan.is_peft and not flags[0]:  # the frozen embedding's output needs no grad: block 0's first norm saves nothing
-        saved_blocks -= t_mem * blk.first_norm
-    recompute = block_bytes - sac if n_ckpt else 0.0  # one block's activations while it runs backward
-    trailing = (L - 1 - max(i for i, f in enumerate(flags) if f)) * block_bytes if n_ckpt else 0.0
+        saved_blocks -= t_mem * layers[0].first_norm
+    # one block's activations while it runs backward
+    recompute = max(saves(b) - t_mem * (b.sac_tok + s * b.sac_quad) for b in layers) if n_ckpt else 0.0
+    last = max(i for i, f in enumerate(flags) if f) if n_ckpt else L - 1
+    trailing = sum(saves(b) for b in layers[last + 1 :])
     offloaded = 0.0
     if plan.offload_activations:
         # every block's saves go to the host (evaluators.offload) and come back node by node
         # in backward (the backward moments' transients); the head's stay: not offloaded
-        offloaded, saved_blocks = saved_blocks - L * held, L * held
+        everyone = sum(t_mem * b.held_tok for b in layers)
+        offloaded, saved_blocks = saved_blocks - everyone, everyone
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
     bwd_temp = t_mem * blk.bwd_tok
@@ -896,6 +938,7 @@ def _activations(
             fwd_temp += t_mem * _int8_forward(model, plan, c)
     return _Activations(
         block=block_bytes,
+        blocks=sum(saves(b) for b in layers),
         saved=saved_blocks + head + rope,
         head=head,
         rope=rope,
@@ -968,9 +1011,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     kept = L - n_ckpt + (1 if n_ckpt else 0)
     sb = costs.state_bytes(model, plan)
     # one block's weights as ZeRO-3/FSDP gather them: in the compute dtype (NF4 stays packed)
-    layer_weights = model.layer_params() * c
-    if plan.quantized:
-        layer_weights += costs.quantized_layer_bytes(model, plan) - model.linear_params() / L * c
+    layer_weights = costs.block_weight_bytes(model, plan, c)
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     step_tmp = 0.0
     if plan.optimizer is Optimizer.ADAFACTOR:
@@ -993,15 +1034,7 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
     early_grads = head_grads * st.gradients / max(sb.gradients, 1)
     block_tail_grads = 0.0
     if plan.method is Method.FULL:
-        # the MLP's and the attention output's; post-norm blocks (BERT) count the MLP's only
-        f = model.family
-        tail = sum(
-            i * o
-            for n, i, o, part in model.linears()
-            if part != "attention" or (n == f.attn_out and f.norm_position != "post")
-        )
-        if model.family.moe:  # the routed experts' gate_up_proj and down_proj, all experts each
-            tail += 3 * model.num_experts * model.expert_width * model.hidden_size
+        tail = max(_tail_params(k) for _, k in model.layer_kinds())
         block_tail_grads = tail * sb.grad_elem_bytes * st.gradients / max(sb.gradients, 1)
     held_grads = costs.held_grads(plan, model, sb)
     return _States(
@@ -1017,6 +1050,21 @@ def _model_states(model: ModelSpec, plan: Plan, ctx: Target) -> _States:
         held_grads=held_grads,
         tied_grad=early_grads if model.tie_word_embeddings else 0.0,
     )
+
+
+def _tail_params(model: ModelSpec) -> int:
+    """The weights whose gradients a block's backward makes before its attention's softmax: the
+    MLP's and the attention output's (post-norm blocks, BERT: the MLP's only), an MoE block's
+    routed experts' gate_up_proj and down_proj (all experts each)."""
+    f = model.family
+    tail = sum(
+        i * o
+        for n, i, o, part in model.linears()
+        if part != "attention" or (n == f.attn_out and f.norm_position != "post")
+    )
+    if f.moe:
+        tail += 3 * model.num_experts * model.expert_width * model.hidden_size
+    return tail
 
 
 def _moments(
@@ -1219,7 +1267,7 @@ def estimate(plan: Plan, ctx: Target) -> Estimate:
         m["temporary"] += ring
     memory, phase = _anatomy(moments, ctx, ms.st, offloaded)
     throughput = timing.throughput(
-        step_work(plan, ctx, ms.sb, t_time, keys, act.block, offloaded * t_time / t_mem),
+        step_work(plan, ctx, ms.sb, t_time, keys, act.blocks / ctx.model.num_layers, offloaded * t_time / t_mem),
         cluster,
         workload.tokens_per_step(),
     )
@@ -1238,7 +1286,9 @@ def work(plan: Plan, ctx: Target) -> timing.StepWork:
     """The step's work alone (what ``benchmarks/published_runs.py`` prices under other rates)."""
     _, act, t_mem, _, t_time, keys = _micro_batch(plan, ctx)
     offloaded = _offloaded(plan, act, _model_states(ctx.model, plan, ctx)) * t_time / t_mem
-    return step_work(plan, ctx, costs.state_bytes(ctx.model, plan), t_time, keys, act.block, offloaded)
+    return step_work(
+        plan, ctx, costs.state_bytes(ctx.model, plan), t_time, keys, act.blocks / ctx.model.num_layers, offloaded
+    )
 
 
 def _masked(model: ModelSpec, plan: Plan, workload: Workload) -> bool:
@@ -1296,7 +1346,7 @@ def step_work(
     rc = sum(checkpointed_layers(plan, L)) / L  # the share of blocks recomputed in backward
     full = plan.method is Method.FULL
     block, head, adapters = _gemms(model, plan, T, cb)
-    n_adapted = len(adapters) // 2
+    n_adapted = sum(g[3] for g in adapters) / 2 / L  # adapted Linears a block (a hybrid stack's mean)
     causal = model.family.task == "causal-lm"
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
     attn_fwd = 4 * T * attended * model.q_dim * L
@@ -1390,7 +1440,7 @@ def _recomputed(plan: Plan, ctx: Target, gemms: tuple[Gemm, ...], rc: float, att
     return recomputed, attn_fwd / 2 if attention == "alibi" else 0.0
 
 
-def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: int, q_fwd: int, q_bwd: int) -> tuple[int, int]:
+def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: float, q_fwd: int, q_bwd: int) -> tuple[float, float]:
     """Kernels one block issues forward and backward (the ``KERNELS_*`` counts; ``q_*``: the
     quantized weights', ``_quantized_work``)."""
     autocasts = dtype_layout(plan).autocasts
@@ -1398,12 +1448,11 @@ def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: int, q_fwd: int, q_b
     k_bwd = KERNELS_BWD + q_bwd + (KERNELS_AUTOCAST_BWD if autocasts else 0) + KERNELS_PER_ADAPTER * n_adapted
     if plan.fused_kernels:
         k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
-    if model.family.moe:
-        k_fwd, k_bwd = k_fwd + KERNELS_MOE_FWD, k_bwd + KERNELS_MOE_BWD
-    return k_fwd, k_bwd
+    moe = sum(n for n, k in model.layer_kinds() if k.family.moe) / model.num_layers  # the share of MoE blocks
+    return k_fwd + moe * KERNELS_MOE_FWD, k_bwd + moe * KERNELS_MOE_BWD
 
 
-def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, int, int]:
+def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, float, float]:
     """The quantized base weights' forward and backward bytes over all blocks, and their
     kernels per block each way (a recompute repeats the forward's).
 
@@ -1425,15 +1474,16 @@ def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> t
     if plan.method is not Method.LORA_8BIT:
         return 0.0, 0.0, 0, 0
     c = dtype_layout(plan).compute_bytes
-    lins = model.linears()
+    lins = [(n, lin) for n, k in model.layer_kinds() for lin in k.linears()]  # (layers, Linear)
+    per_block = sum(n for n, _ in lins) / model.num_layers  # Linears a block (a hybrid stack's mean)
     weights = model.linear_params()
     dequant = weights * (1 + 3 * c)
     if cpu:
-        return dequant, dequant, 3 * len(lins), 3 * len(lins)
+        return dequant, dequant, 3 * per_block, 3 * per_block
     cast = 0 if plan.precision is Precision.FP16_MIXED else 2 + c
-    per_token = sum(i * (15 + cast) + o * (10 + cast) for _, i, o, _ in lins)
-    forward = tokens * model.num_layers * per_token + weights
-    return forward, dequant, (8 if cast == 0 else 11) * len(lins), 3 * len(lins)
+    per_token = sum(n * (i * (15 + cast) + o * (10 + cast)) for n, (_, i, o, _) in lins)
+    forward = tokens * per_token + weights
+    return forward, dequant, (8 if cast == 0 else 11) * per_block, 3 * per_block
 
 
 def fused_traffic(model: ModelSpec, tokens: float) -> float:
@@ -1456,31 +1506,33 @@ Gemm = tuple[float, float, float, float]  # timing.PhaseWork's (flops, bytes, sm
 def _gemms(model: ModelSpec, plan: Plan, tokens: float, elem_bytes: int) -> tuple[list[Gemm], list[Gemm], list[Gemm]]:
     """The forward GEMMs of a micro-batch of ``tokens``: the blocks' Linears, the head, and
     each LoRA adapter's two (down to the rank and back up)."""
-    L, T = model.num_layers, tokens
+    T = tokens
 
     def gemm(i: float, o: float, count: float) -> Gemm:
         return (2 * T * i * o, (T * i + i * o + T * o) * elem_bytes, min(T, i, o), count)
 
-    block = [gemm(i, o, L) for _, i, o, _ in model.linears()] + _expert_gemms(model, T, elem_bytes)
+    block: list[Gemm] = []
+    adapters: list[Gemm] = []
+    r = plan.lora_rank or 0
+    for L, kind in model.layer_kinds():  # each kind of a hybrid stack, its layers
+        block += [gemm(i, o, L) for _, i, o, _ in kind.linears()] + _expert_gemms(kind, L, T, elem_bytes)
+        if plan.is_peft:
+            for _, i, o, part in kind.linears():
+                if plan.lora_targets.covers(part):
+                    adapters += [gemm(i, r, L), gemm(r, o, L)]
     head = [gemm(model.hidden_size, model.vocab_size, 1)]
     if model.family.task == "masked-lm":
         head.append(gemm(model.hidden_size, model.hidden_size, 1))
-    adapters: list[Gemm] = []
-    if plan.is_peft:
-        r = plan.lora_rank or 0
-        for _, i, o, part in model.linears():
-            if plan.lora_targets.covers(part):
-                adapters += [gemm(i, r, L), gemm(r, o, L)]
     return block, head, adapters
 
 
-def _expert_gemms(model: ModelSpec, tokens: float, elem_bytes: int) -> list[Gemm]:
-    """An MoE block's forward GEMMs over ``tokens``: the router's, and each expert's gate/up and
+def _expert_gemms(model: ModelSpec, L: int, tokens: float, elem_bytes: int) -> list[Gemm]:
+    """``L`` MoE blocks' forward GEMMs over ``tokens``: the router's, and each expert's gate/up and
     down projection of its share of the ``tokens × k`` routed rows, under the balanced routing
     (``evaluators/moe.py``) as the simulator prices ``torch._grouped_mm``."""
     if not model.family.moe:
         return []
-    L, h, e, w = model.num_layers, model.hidden_size, model.num_experts, model.expert_width
+    h, e, w = model.hidden_size, model.num_experts, model.expert_width
     m = tokens * model.experts_per_token / e  # rows per expert
 
     def gemm(rows: float, i: float, o: float, count: float) -> Gemm:
@@ -1499,11 +1551,11 @@ def attention_kernel(model: ModelSpec, plan: Plan, workload: Workload, cluster) 
     return sdpa_kernel(model, plan, _masked(model, plan, workload), gpu.kind == "cpu", gpu.compute_capability)
 
 
-def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: int) -> int:
+def _trainable_tensors(model: ModelSpec, plan: Plan, n_adapted: float) -> int:
     if plan.is_peft:
-        return 2 * n_adapted * model.num_layers
-    moe = 3 if model.family.moe else 0  # the router and the two expert tensors
-    return model.num_layers * (len(model.linears()) + 2 + moe) + 2
+        return round(2 * n_adapted * model.num_layers)
+    # each block's Linears, two norms, and an MoE block's router and its two expert tensors
+    return sum(L * (len(k.linears()) + 2 + (3 if k.family.moe else 0)) for L, k in model.layer_kinds()) + 2
 
 
 def _optimizer_kernels(plan: Plan, tensors: int) -> float:

@@ -151,7 +151,13 @@ def compute_dtype(plan: Plan) -> str:
 
 
 def cuda_sdpa_kernel(
-    capability: tuple[int, int], dtype: str, head_dim: int, masked: bool, gqa: bool, requires_grad: bool = True
+    capability: tuple[int, int],
+    dtype: str,
+    head_dim: int,
+    masked: bool,
+    gqa: bool,
+    requires_grad: bool = True,
+    value_dim: int | None = None,
 ) -> str:
     """The sdpa backend torch 2.13 picks on a CUDA GPU: ``flash``, ``efficient`` or ``math``.
 
@@ -159,11 +165,14 @@ def cuda_sdpa_kernel(
     head_dim <= 256 (<= 192 with gradients on sm86/sm89), sm80+, grouped KV heads native.
     Efficient: masks and fp32, no grouped KV heads. ``dtype`` is "bf16", "fp16" or "fp32";
     ``gqa``: fewer KV heads than query heads passed as they are (transformers does so only
-    without a mask; with one it repeats them first).
+    without a mask; with one it repeats them first). ``value_dim``: the values' head size where
+    it is not the queries' (DeepSeek's multi-head latent attention): flash needs them equal
+    (``check_head_dim_size_flash``), efficient does not.
     """
     half = dtype in ("bf16", "fp16")
     dtype_ok = dtype != "bf16" or capability >= (8, 0)
-    if half and dtype_ok and not masked and capability >= (8, 0) and head_dim <= 256:
+    same = value_dim is None or value_dim == head_dim
+    if half and dtype_ok and not masked and same and capability >= (8, 0) and head_dim <= 256:
         if not (requires_grad and head_dim > 192 and capability in ((8, 6), (8, 9))):
             return "flash"
     if not gqa and dtype_ok and capability >= (5, 0):
@@ -229,6 +238,24 @@ def quantized_layer_bytes(model: ModelSpec, plan: Plan) -> float:
     return 0.0
 
 
+def quantized_bytes(model: ModelSpec, plan: Plan) -> float:
+    """Every block's quantized Linear weights (:func:`quantized_layer_bytes`), each kind of a hybrid stack's own."""
+    return sum(n * quantized_layer_bytes(k, plan) for n, k in model.layer_kinds())
+
+
+def block_weight_bytes(model: ModelSpec, plan: Plan, elem_bytes: int) -> float:
+    """One block's weights as ZeRO-3 and FSDP gather them, in ``elem_bytes`` (the compute dtype;
+    quantized Linears stay packed); a hybrid stack's largest block's."""
+
+    def one(k: ModelSpec) -> float:
+        weights = k.layer_params() * elem_bytes
+        if plan.quantized:
+            weights += quantized_layer_bytes(k, plan) - sum(i * o for _, i, o, _ in k.linears()) * elem_bytes
+        return weights
+
+    return max(one(k) for _, k in model.layer_kinds())
+
+
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors under this many elements,
 # and one fp32 absmax per block of this many elements for each 8-bit state.
 BNB_MIN_8BIT_SIZE = 4096
@@ -250,7 +277,7 @@ def state_bytes(model: ModelSpec, plan: Plan) -> StateBytes:
         base_b = lay.base_bytes
         if plan.quantized:
             n_lin = model.linear_params()
-            weights = model.num_layers * quantized_layer_bytes(model, plan) + (n - n_lin) * base_b
+            weights = quantized_bytes(model, plan) + (n - n_lin) * base_b
         else:
             weights = n * base_b
         weights += n_t * p_b
@@ -294,8 +321,9 @@ def _optimizer_state_bytes(model: ModelSpec, plan: Plan, n_trainable: int, momen
     if plan.is_peft:
         r = plan.lora_rank or 0
         return moment_bytes * sum(
-            model.num_layers * 2 * (r + (i + o) / 2)  # A: r×in -> r+in, B: out×r -> out+r
-            for _, i, o, part in model.linears()
+            n * 2 * (r + (i + o) / 2)  # A: r×in -> r+in, B: out×r -> out+r
+            for n, k in model.layer_kinds()
+            for _, i, o, part in k.linears()
             if plan.lora_targets.covers(part)
         )
     matrices = model.matrix_shapes()
@@ -403,7 +431,7 @@ def zero3_gathered_bytes(plan: Plan, model: ModelSpec, layer_weight_bytes: float
     kept = max(b["stage3_max_live_parameters"], b["stage3_max_reuse_distance"] / 2) + model.largest_tensor()
     kept = min(model.n_params, kept)
     dense = model.n_params - model.linear_params()
-    per_linear = quantized_layer_bytes(model, plan) * model.num_layers / model.linear_params() if plan.quantized else c
+    per_linear = quantized_bytes(model, plan) / model.linear_params() if plan.quantized else c
     held = min(kept, dense) * c + max(0.0, kept - dense) * per_linear
     return max(held, 2 * layer_weight_bytes + b["stage3_prefetch_bucket_size"] * c)
 

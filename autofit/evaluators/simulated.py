@@ -107,10 +107,16 @@ class TraceKey:
 
 # -- CUDA kernels on fake CPU tensors ----------------------------------------------------
 def cuda_sdpa_kernel(
-    capability: tuple[int, int], dtype, head_dim: int, masked: bool, gqa: bool, requires_grad: bool
+    capability: tuple[int, int],
+    dtype,
+    head_dim: int,
+    masked: bool,
+    gqa: bool,
+    requires_grad: bool,
+    value_dim: int | None = None,
 ) -> str:
     """``costs.cuda_sdpa_kernel`` for a torch dtype (the analytic evaluator shares the rule)."""
-    return costs.cuda_sdpa_kernel(capability, _dtype_class(dtype), head_dim, masked, gqa, requires_grad)
+    return costs.cuda_sdpa_kernel(capability, _dtype_class(dtype), head_dim, masked, gqa, requires_grad, value_dim)
 
 
 # CUDA autocast's fp32 policies for ops CPU autocast does not list (autocast_mode.cpp)
@@ -202,7 +208,7 @@ def _cuda_sdpa(
             attn_mask = attn_mask.to(low)
     gqa = enable_gqa and k.shape[-3] != q.shape[-3]
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    kernel = cuda_sdpa_kernel(capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad)
+    kernel = cuda_sdpa_kernel(capability, q.dtype, q.shape[-1], attn_mask is not None, gqa, grad, v.shape[-1])
     if kernel == "flash":
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if kernel == "efficient":
@@ -706,12 +712,16 @@ ALL_LAYERS_ENV = "AUTOFIT_TRACE_ALL_LAYERS"  # set to 1: trace every layer (no u
 
 def trace_depth(model: ModelSpec, plan: Plan | None = None) -> Depth | None:
     """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer).
-    Selective checkpointing repeats every ``checkpoint_every`` layers: the period covers it."""
+    The period is that of each layer's type (``layer_types``: sliding or full attention) and kind
+    (``ModelSpec.stack``: a hybrid stack's dense and MoE layers); a stack that does not repeat
+    (DeepSeek-V3's first dense layers) is traced whole. Selective checkpointing repeats every
+    ``checkpoint_every`` layers: the period covers it."""
     if os.environ.get(ALL_LAYERS_ENV, "") not in ("", "0"):
         return None
     selective = plan is not None and plan.checkpointing is Checkpointing.SELECTIVE
     every = (plan.checkpoint_every or 1) if selective else 1
-    return unroll.depth_for(model.num_layers, getattr(model.to_hf_config(), "layer_types", None), every)
+    types = getattr(model.to_hf_config(), "layer_types", None) or (None,) * model.num_layers
+    return unroll.depth_for(model.num_layers, list(zip(types, model.stack)), every)
 
 
 def run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDevice, unrolled: bool = True) -> Trace:
@@ -943,9 +953,7 @@ def rank_memory(trace: Trace, plan: Plan, ctx: Target) -> RankMemory:
     sb = costs.state_bytes(model, plan)
     L = model.num_layers
     c = 4 if costs.compute_dtype(plan) == "fp32" else 2
-    layer_weights = model.layer_params() * c
-    if plan.quantized:
-        layer_weights += costs.quantized_layer_bytes(model, plan) - model.linear_params() / L * c
+    layer_weights = costs.block_weight_bytes(model, plan, c)
     layer_trainable = (sb.trainable_weights / sb.param_elem_bytes) / L
     st = costs.shard_states(plan, model, cluster, sb, layer_weights, layer_trainable, 0.0)
     # the share of the traced gradient bytes alive at an event, in the engine's sharded bytes,

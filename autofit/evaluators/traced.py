@@ -262,9 +262,12 @@ def formulas_miss(model: ModelSpec) -> str:
 
 
 def _one_layer(model: ModelSpec) -> ModelSpec:
-    """The model with its first layer only (per-layer lists cut to match, as ``unroll.traced_spec``)."""
-    extra = tuple((k, v[:1] if k == "layer_types" and isinstance(v, tuple) else v) for k, v in model.hf_extra)
-    return dataclasses.replace(model, num_layers=1, n_params=0, hf_extra=extra)
+    """The model cut after the first layer of the kind ``model`` describes: its first layer only,
+    or for a kind of a hybrid stack (``ModelSpec.layer_kinds``) the layers up to its first one (per-layer
+    lists cut to match, as ``unroll.traced_spec``). The census counts its last layer's saves."""
+    n = model.first_layer + 1
+    extra = tuple((k, v[:n] if k == "layer_types" and isinstance(v, tuple) else v) for k, v in model.hf_extra)
+    return dataclasses.replace(model, num_layers=n, n_params=0, hf_extra=extra)
 
 
 @dataclasses.dataclass
@@ -276,7 +279,7 @@ class _Census:
 def _census(
     model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
 ) -> _Census:
-    """What the first block saves for backward in one fake forward; for a ``torch_compile`` plan
+    """What the last block saves for backward in one fake forward; for a ``torch_compile`` plan
     its partitioned graphs (the backward's once ``backward`` runs the step's backward)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -290,7 +293,7 @@ def _census(
     rt.to_fake(net, mode)
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
-    block = unroll.decoder_layers(net, model.family.decoder_layer)[0]
+    block = unroll.decoder_layers(net, model.family.decoder_layer)[-1]
     stand_in = compiled.CompiledBlocks([block]) if plan.torch_compile else None
     own = {_key(t) for t in rt.state_tensors(net)}
     inside, seen = [False], {}

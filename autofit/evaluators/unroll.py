@@ -81,8 +81,8 @@ class Depth:
         return self.period * (1 + (copy or 0)) + layer % self.period
 
 
-def layer_period(layer_types: Sequence[str] | None) -> int:
-    """The shortest period of a config's ``layer_types`` (1 when all layers are alike)."""
+def layer_period(layer_types: Sequence[Any] | None) -> int:
+    """The shortest period of each layer's type (1 when all layers are alike)."""
     types = list(layer_types or ())
     for p in range(1, len(types) + 1):
         if all(types[i] == types[i % p] for i in range(len(types))):
@@ -90,7 +90,7 @@ def layer_period(layer_types: Sequence[str] | None) -> int:
     return 1
 
 
-def depth_for(num_layers: int, layer_types: Sequence[str] | None, every: int = 1) -> Depth | None:
+def depth_for(num_layers: int, layer_types: Sequence[Any] | None, every: int = 1) -> Depth | None:
     """The unroll of a model, or None where tracing all its layers is as cheap or it does not repeat.
     ``every``: a per-layer pattern the step adds (selective checkpointing's period)."""
     p = math.lcm(layer_period(layer_types), every)
@@ -100,11 +100,15 @@ def depth_for(num_layers: int, layer_types: Sequence[str] | None, every: int = 1
 
 
 def traced_spec(spec, depth: Depth):
-    """The same architecture with ``depth.traced`` layers (and ``layer_types`` cut to match)."""
+    """The same architecture with ``depth.traced`` layers (``layer_types`` and a hybrid stack's
+    kinds cut to match)."""
     extra = dict(spec.hf_extra)
     if isinstance(extra.get("layer_types"), (list, tuple)):
         extra["layer_types"] = tuple(extra["layer_types"][: depth.traced])
-    return dataclasses.replace(spec, num_layers=depth.traced, n_params=0, hf_extra=tuple(extra.items()))
+    derived = tuple((k, v[: depth.traced] if k == "stack" else v) for k, v in spec.derived)
+    return dataclasses.replace(
+        spec, num_layers=depth.traced, n_params=0, hf_extra=tuple(extra.items()), derived=derived
+    )
 
 
 def decoder_layers(model, class_name: str) -> list:

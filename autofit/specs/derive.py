@@ -69,18 +69,27 @@ _NOT_EXTRA = frozenset(
 
 
 @dataclass(frozen=True)
-class Derived:
-    """What a model type's modules say of its block (see the module doc)."""
+class Block:
+    """One kind of decoder layer, as its modules describe it (see the module doc)."""
 
     family: dict[str, Any]  # the Family fields
-    linears: tuple[tuple[str, int, int, str], ...]  # (name in the block, in, out, "attention"/"mlp")
-    embedding_params: int  # everything before the blocks (embeddings, their norm, positions)
+    linears: tuple[tuple[str, int, int, str], ...]  # (name in the block, in, out, "attention"/"mlp"/"frozen")
     layer_params: int
-    head_params: int  # final norm and an untied head
     analytic: str  # "" where the analytic formulas describe the block; else why not
     # a mixture of experts: the config keys and values of its expert count, experts per token and
     # expert width, and its shared expert's width (``"shared_width"``; 0: none); {} for a dense MLP
     experts: Mapping[str, int] = field(default_factory=dict)
+    first_layer: int = 0  # the index of the first layer of this kind
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What a model type's modules say of its decoder stack."""
+
+    blocks: tuple[Block, ...]  # each kind of layer, in the order of its first layer
+    stack: tuple[int, ...]  # each layer's kind (an index into ``blocks``)
+    embedding_params: int  # everything before the blocks (embeddings, their norm, positions)
+    head_params: int  # final norm and an untied head
 
 
 def core_fields(cfg: Any, keys: Mapping[str, str] = {}) -> dict[str, Any]:  # noqa: B006 - read only
@@ -148,24 +157,16 @@ _SIZE_KEYS = (
 
 
 def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - read only
-    """Read the block of the model ``cfg`` builds (a transformers config object); ``keys`` as for
-    :func:`core_fields`."""
-    model_type = cfg.model_type
+    """Read the decoder stack of the model ``cfg`` builds (a transformers config object): each kind
+    of layer from its first layer; ``keys`` as for :func:`core_fields`.
+
+    A stack of layers of several kinds (DeepSeek-V3's and GLM-4.5's dense layers before their MoE
+    layers, Qwen3-Next's linear and full attention) is read kind by kind, each from a model of its
+    own (a fake forward swaps a model's tensors)."""
     _router_loss(cfg)
     model = _build(cfg)
     layers = _decoder_layers(model, cfg)
-    block = layers[0]
-    experts = _experts(cfg, block)
-    attn = _child(block, "attention", ("attention", "attn"))
-    # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
-    mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
-    if attn[1] is None:
-        raise SpecError(
-            f"{model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
-            "transformer decoders (attention and MLP blocks), and this is not one"
-        )
-    lin = _linears(block, attn, _peft_remaps(model_type) if experts else frozenset())
-    layer_params = sum(p.numel() for p in block.parameters())
+    stack = _stack(layers)
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     final = _final_norm(model, layers)
@@ -173,12 +174,43 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     if head is not None:
         head_params += sum(p.numel() for n, p in head.named_parameters() if not (tied and n == "weight"))
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    firsts = [stack.index(kind) for kind in range(max(stack) + 1)]
+    _softmax_attention(cfg, layers, firsts)
+    # PEFT remaps a LoRA target by its name in every layer (a dense layer's ``mlp.gate_proj`` too):
+    # where any kind routes experts, those names are frozen in every kind
+    moe = any(_experts(cfg, layers[i]) for i in firsts)
+    remapped = _peft_remaps(cfg.model_type) if moe else frozenset()
+    blocks = []
+    for kind, first in enumerate(firsts):
+        if kind:
+            model = _build(cfg)
+            layers = _decoder_layers(model, cfg)
+        blocks.append(_block(cfg, keys, model, layers[first], final is not None, first, remapped))
+    emb = total - sum(blocks[k].layer_params for k in stack) - head_params
+    return Derived(tuple(blocks), stack, emb, head_params)
+
+
+def _block(
+    cfg: Any, keys: Mapping[str, str], model, block, final_norm: bool, first: int, remapped: frozenset[str]
+) -> Block:
+    """One kind of layer, read from ``block`` (its first layer) in ``model``; ``remapped``: the Linear
+    names PEFT does not adapt as Linears (:func:`_peft_remaps`)."""
+    experts = _experts(cfg, block)
+    attn = _child(block, "attention", ("attention", "attn"))
+    # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
+    mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
+    if attn[1] is None:
+        raise SpecError(
+            f"{cfg.model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
+            "transformer decoders (attention and MLP blocks), and this is not one"
+        )
+    lin = _linears(block, attn, remapped)
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
-    fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final is not None, probes, experts)
-    emb = total - len(layers) * layer_params - head_params
+    fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final_norm, probes, experts)
+    params = sum(p.numel() for p in block.parameters())
     moe = experts.config if experts else {}
-    return Derived(fam, tuple(x[:4] for x in lin), emb, layer_params, head_params, why, moe)
+    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first)
 
 
 @contextlib.contextmanager
@@ -212,28 +244,41 @@ def _build(cfg: Any):
 
 
 def _decoder_layers(model, cfg: Any) -> list:
-    """The ModuleList of ``num_hidden_layers`` blocks; refused where they are not all one class."""
+    """The ModuleList of ``num_hidden_layers`` blocks."""
     import torch
 
     n = cfg.num_hidden_layers
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
     if not lists:
         raise SpecError(f"found no list of {n} decoder layers in transformers' {cfg.model_type} model")
-    layers = list(lists[0])
-    kinds = sorted({type(b).__name__ for b in layers})
-    if len(kinds) > 1:
+    return list(lists[0])
+
+
+def _softmax_attention(cfg: Any, layers: list, firsts: list[int]) -> None:
+    """Refuse a stack that mixes in layers of linear attention (Qwen3-Next's gated delta rule,
+    MiniMax's lightning attention: ``layer_types`` says ``linear_attention``): their chunked
+    recurrences hold transients the analytic block, taken at a softmax-attention block's sizes,
+    does not bound (measured on tiny Qwen3-Next: its peak 16% under the simulated trace)."""
+    types = getattr(cfg, "layer_types", None) or ()
+    linear = sorted({t for t in types if isinstance(t, str) and ("attention" not in t or t == "linear_attention")})
+    if len(firsts) > 1 and linear:
+        classes = sorted({type(layers[i]).__name__ for i in firsts})
         raise SpecError(
-            f"{cfg.model_type} stacks layers of {len(kinds)} kinds ({', '.join(kinds)}); autofit models "
-            "models whose decoder layers are all one block"
+            f"{cfg.model_type} stacks {', '.join(linear)} layers beside softmax attention ({', '.join(classes)}); "
+            "autofit bounds the memory of softmax-attention blocks only, and models no linear-attention hybrid yet"
         )
-    counts = {sum(p.numel() for p in b.parameters()) for b in layers}
-    if len(counts) > 1:
-        raise SpecError(
-            f"{cfg.model_type}'s {kinds[0]} layers differ in size ({', '.join(f'{c:,}' for c in sorted(counts))} "
-            "parameters: dense and mixture-of-experts layers, or blocks of other widths, in one stack); autofit "
-            "models models whose decoder layers are all alike"
-        )
-    return layers
+
+
+def _stack(layers: list) -> tuple[int, ...]:
+    """Each layer's kind, numbered in the order of first appearance: layers are of one kind when
+    they are of one class with the same parameters (names and shapes). Layers that differ only in
+    what no parameter shows (Gemma-2's sliding and global attention) are one kind; the config's
+    ``layer_types`` tells them apart where the step needs it (``evaluators/unroll.py``)."""
+    kinds: dict[tuple, int] = {}
+    return tuple(
+        kinds.setdefault((type(b).__name__, tuple((n, tuple(p.shape)) for n, p in b.named_parameters())), len(kinds))
+        for b in layers
+    )
 
 
 def _child(block, cls_word: str, names: tuple[str, ...]):

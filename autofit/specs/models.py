@@ -634,6 +634,33 @@ class ModelSpec:
         """A derived spec's count or layer list as transformers built it (None: use the formulas)."""
         return dict(self.derived).get(key) if self.derived else None
 
+    # -- the decoder stack ------------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """Whether the decoder layers are of several kinds (``specs/derive.py``: DeepSeek-V3's dense
+        layers before its MoE layers); the spec's own block fields then describe the kind most
+        layers are, and :meth:`layer_kinds` each kind."""
+        return bool(self._counted("stack"))
+
+    def layer_kinds(self) -> tuple[tuple[int, ModelSpec], ...]:
+        """The decoder stack as ``(layers, spec)`` per kind of layer, where ``spec`` describes a block
+        of that kind (its block fields, Linears and counts; ``first_layer``: where the kind first
+        appears). One entry, the spec itself, unless :attr:`hybrid`. A kind's spec describes a block,
+        not a model to build: the analytic evaluator traces one by cutting the stack after
+        ``first_layer`` (``evaluators/traced.py``)."""
+        return _layer_kinds(self)
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """Each decoder layer's kind, an index into :meth:`layer_kinds` (all 0 unless :attr:`hybrid`)."""
+        return tuple(self._counted("stack") or (0,) * self.num_layers)
+
+    @property
+    def first_layer(self) -> int:
+        """The index of the first layer of the kind this spec describes (0 unless it is one of
+        :meth:`layer_kinds`)."""
+        return int(self._counted("first_layer") or 0)
+
     @property
     def rotary_fraction(self) -> float:
         """The fraction of head_dim RoPE rotates: 1 for llama, partial for phi and gpt_neox, 0 without RoPE."""
@@ -733,7 +760,9 @@ class ModelSpec:
         return n
 
     def layer_params(self) -> int:
-        """Parameters of one transformer block."""
+        """Parameters of one transformer block (of a hybrid stack's largest block)."""
+        if self.hybrid:
+            return max(k.layer_params() for _, k in self.layer_kinds())
         if self._counted("params"):
             return self._counted("params")[1]
         f, h, i = self.family, self.hidden_size, self.intermediate_size
@@ -769,7 +798,8 @@ class ModelSpec:
         return n
 
     def derived_param_count(self) -> int:
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+        layers = sum(n * k.layer_params() for n, k in self.layer_kinds())
+        return self.embedding_params() + layers + self.head_params()
 
     def linears(self) -> list[tuple[str, int, int, str]]:
         """One block's Linear layers as ``(name, in, out, part)``, named as transformers names them.
@@ -778,8 +808,16 @@ class ModelSpec:
         MoE block's shared-expert Linears that PEFT would turn into LoRA on the routed experts are
         ``frozen``: no target selects them (``specs/derive.py``).
         Fused projections (phi3 ``qkv_proj``/``gate_up_proj``, gpt2 ``c_attn``) are one
-        Linear, as PEFT and bitsandbytes see them. A derived spec lists its block's own.
+        Linear, as PEFT and bitsandbytes see them. A derived spec lists its block's own; a hybrid
+        stack's are every kind's, each name once (what LoRA targets name; for counts, :meth:`layer_kinds`).
         """
+        if self.hybrid:
+            named: dict[str, tuple[str, int, int, str]] = {}
+            for _, k in self.layer_kinds():  # a name in two kinds: its larger Linear
+                for lin in k.linears():
+                    if lin[0] not in named or lin[1] * lin[2] > named[lin[0]][1] * named[lin[0]][2]:
+                        named[lin[0]] = lin
+            return list(named.values())
         if self._counted("linears"):
             return list(self._counted("linears"))
         f, h, i = self.family, self.hidden_size, self.intermediate_size
@@ -800,26 +838,28 @@ class ModelSpec:
 
     def linear_params(self) -> int:
         """Weights of the blocks' Linear layers (what LoRA targets and 4-bit quantizes)."""
-        return self.num_layers * sum(i * o for _, i, o, _ in self.linears())
+        return sum(n * sum(i * o for _, i, o, _ in k.linears()) for n, k in self.layer_kinds())
 
     def lora_params(self, rank: int, targets: _Targets | None = None) -> int:
         """Trainable parameters LoRA adds: ``rank × (in + out)`` per targeted Linear.
 
         ``targets``: a ``plan.LoraTargets`` (which says what it covers); None: every Linear LoRA can target.
         """
-        per_layer = sum(
-            rank * (i + o)
-            for _, i, o, part in self.linears()
+        return sum(
+            n * rank * (i + o)
+            for n, k in self.layer_kinds()
+            for _, i, o, part in k.linears()
             if (part != "frozen" if targets is None else targets.covers(part))
         )
-        return self.num_layers * per_layer
 
     def matrix_shapes(self) -> list[tuple[int, int, int]]:
         """``(count, rows, cols)`` of every 2-D parameter (Linear weights and embeddings)."""
-        shapes = [(self.num_layers, o, i) for _, i, o, _ in self.linears()]
-        if self.family.moe:  # each expert's two matrices (what Adafactor factors), and the router
-            e, w, h = self.num_layers * self.num_experts, self.expert_width, self.hidden_size
-            shapes += [(e, 2 * w, h), (e, h, w), (self.num_layers, self.num_experts, h)]
+        shapes = []
+        for n, k in self.layer_kinds():
+            shapes += [(n, o, i) for _, i, o, _ in k.linears()]
+            if k.family.moe:  # each expert's two matrices (what Adafactor factors), and the router
+                e, w, h = n * k.num_experts, k.expert_width, k.hidden_size
+                shapes += [(e, 2 * w, h), (e, h, w), (n, k.num_experts, h)]
         shapes.append((1, self.vocab_size, self.hidden_size))
         if self.family.positions == "learned":
             shapes.append((1, self.max_position_embeddings, self.hidden_size))
@@ -831,7 +871,10 @@ class ModelSpec:
 
     def block_tensors(self) -> list[int]:
         """Elements of each weight tensor of one block, in parameter order: its Linears, then an
-        MoE block's router and its experts' gate_up_proj and down_proj (each holds every expert)."""
+        MoE block's router and its experts' gate_up_proj and down_proj (each holds every expert); of
+        a hybrid stack, its largest block's."""
+        if self.hybrid:
+            return max((k for _, k in self.layer_kinds()), key=ModelSpec.layer_params).block_tensors()
         sizes = [i * o for _, i, o, _ in self.linears()]
         if self.family.moe:
             e, w, h = self.num_experts, self.expert_width, self.hidden_size
@@ -840,7 +883,8 @@ class ModelSpec:
 
     def largest_tensor(self) -> int:
         """Elements of the largest parameter tensor (an MoE block's gate_up_proj holds every expert's)."""
-        return max(max(rows * cols for _, rows, cols in self.matrix_shapes()), *self.block_tensors())
+        blocks = (x for _, k in self.layer_kinds() for x in k.block_tensors())
+        return max(max(rows * cols for _, rows, cols in self.matrix_shapes()), *blocks)
 
     # -- identity ---------------------------------------------------------------------
     def as_dict(self) -> dict[str, Any]:
@@ -941,9 +985,11 @@ class ModelSpec:
         if isinstance(d.get("model_type"), str) and d["model_type"] not in FAMILIES:
             return _derived_spec(cfg, name, source, where)
         f = _config_family(d, where)
-        if not f.moe and any(d.get(k) not in accepted for k, (_, accepted) in f.config_fixed.items()):
+        off = [k for k, (_, accepted) in f.config_fixed.items() if d.get(k) not in accepted]
+        if off and (not f.moe or set(off) <= STACK_KEYS):
             # another block of a registered type (falcon-7b's multi-query one-norm block, a
-            # sequential gpt_neox): read from transformers' model as an unregistered type is
+            # sequential gpt_neox), or a stack of dense and MoE layers (Qwen2-MoE's mlp_only_layers):
+            # read from transformers' model as an unregistered type is
             return _derived_spec(cfg, name, source, where)
         missing = [
             f.keys.get(k, k)
@@ -981,6 +1027,9 @@ class ModelSpec:
             hf_extra=_config_extra(d, f, where),
         )
 
+
+# config keys that make some layers of a registered MoE family dense (a hybrid stack, ``ModelSpec.hybrid``)
+STACK_KEYS = frozenset(("decoder_sparse_step", "mlp_only_layers"))
 
 # the size limits under transformers' field names
 _HF_MAX_FIELD = {_HF_NAME.get(k, k): v for k, v in MAX_FIELD.items()}
@@ -1151,38 +1200,70 @@ def _derived_spec(cfg: Any, name: str | None, source: str, where: str) -> ModelS
         raise SpecError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a config its own class refuses is the user's to fix
         raise SpecError(f"{where}: transformers cannot read it as a {model_type} config ({_first_line(exc)})") from None
-    extra = {**derive.extras(cfg, keys), **{k: v for k, v in built.experts.items() if k != "shared_width"}}
+    experts = {k: v for b in built.blocks for k, v in b.experts.items() if k != "shared_width"}
+    extra = {**derive.extras(cfg, keys), **experts}
     mappings = tuple(sorted(k for k, v in extra.items() if isinstance(v, Mapping)))
-    family = tuple(sorted((k, _tuples(v)) for k, v in {**built.family, "keys": _frozen(keys)}.items()))
     formula = ModelSpec(
         name=name or source or model_type,
         model_type=model_type,
         **core,
         source=source,
         hf_extra=tuple(sorted((k, _frozen(v)) for k, v in extra.items())),
-        # the routed experts' fields are in hf_extra (the family's keys); the shared expert's width here
-        derived=(("family", family), ("mappings", mappings))
-        + ((("shared_width", built.experts["shared_width"]),) if built.experts else ()),
+        derived=_block_derived(built.blocks[0], keys, mappings),
     )
-    gap = built.analytic or _formula_gap(formula, built)
-    counts = (("linears", built.linears), ("params", (built.embedding_params, built.layer_params, built.head_params)))
-    return dataclasses.replace(formula, n_params=0, derived=formula.derived + counts + (("analytic", gap),))
+    kinds = tuple(_kind_derived(formula, b, built, keys, mappings) for b in built.blocks)
+    if len(kinds) == 1:
+        return dataclasses.replace(formula, n_params=0, derived=kinds[0][:-1])  # its first layer is layer 0
+    # a stack of several kinds: the spec's own fields describe the kind most of its layers are
+    # (``ModelSpec.layer_kinds`` gives each)
+    main = max(range(len(kinds)), key=lambda k: (built.stack.count(k), built.blocks[k].layer_params))
+    stack = (("stack", built.stack), ("kinds", kinds))
+    return dataclasses.replace(formula, n_params=0, derived=kinds[main][:-1] + stack)
 
 
-def _formula_gap(formula: ModelSpec, built: Any) -> str:
+def _block_derived(block: Any, keys: Mapping[str, str], mappings: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """A block's Family fields as a derived spec keeps them (the routed experts' fields are in
+    ``hf_extra``, under the family's keys; the shared expert's width here)."""
+    family = tuple(sorted((k, _tuples(v)) for k, v in {**block.family, "keys": _frozen(keys)}.items()))
+    shared = (("shared_width", block.experts["shared_width"]),) if block.experts else ()
+    return (("family", family), ("mappings", mappings)) + shared
+
+
+def _kind_derived(
+    formula: ModelSpec, block: Any, built: Any, keys: Mapping[str, str], mappings: tuple[str, ...]
+) -> tuple[tuple[str, Any], ...]:
+    """The derived fields of one kind of layer: its family, counts, analytic gap, and first layer."""
+    own = _block_derived(block, keys, mappings)
+    params = (built.embedding_params, block.layer_params, built.head_params)
+    counts = (("linears", block.linears), ("params", params))
+    gap = block.analytic or _formula_gap(dataclasses.replace(formula, n_params=0, derived=own), params, block.linears)
+    return own + counts + (("analytic", gap), ("first_layer", block.first_layer))
+
+
+def _formula_gap(formula: ModelSpec, want: tuple[int, int, int], linears: tuple) -> str:
     """Where the family's formulas miss the built block: its parameters or its Linear layers ("" if nowhere)."""
     try:
         got = (formula.embedding_params(), formula.layer_params(), formula.head_params())
         shapes = [(i, o) for _, i, o, _ in formula.linears()]
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         return f"the block formulas cannot read it ({_first_line(exc)})"
-    want = (built.embedding_params, built.layer_params, built.head_params)
     for what, a, b in zip(("embedding", "block", "head"), got, want):
         if a != b:
             return f"its {what} has {b:,} parameters where the block formulas give {a:,}"
-    if shapes != [(i, o) for _, i, o, _ in built.linears]:
+    if shapes != [(i, o) for _, i, o, _ in linears]:
         return "its Linear layers are not the ones the block formulas list"
     return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_kinds(spec: ModelSpec) -> tuple[tuple[int, ModelSpec], ...]:
+    if not spec.hybrid:
+        return ((spec.num_layers, spec),)
+    stack = spec.stack
+    return tuple(
+        (stack.count(k), dataclasses.replace(spec, num_layers=stack.count(k), n_params=0, derived=d))
+        for k, d in enumerate(spec._counted("kinds"))
+    )
 
 
 @functools.lru_cache(maxsize=256)

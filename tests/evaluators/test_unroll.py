@@ -251,3 +251,18 @@ def test_the_evaluator_says_how_many_layers_it_traced():
     ctx = Target(spec, parse_cluster("1xA100-80GB"), workload)
     result = simulated.SimulatedEvaluator(simulated.TraceCache()).evaluate(plan, ctx)
     assert result.extra["timings"]["layers_traced"] == 3
+
+
+def test_a_hybrid_stack_unrolls_by_the_period_of_its_kinds():
+    """Qwen2-MoE with every other layer dense (decoder_sparse_step 2) repeats every 2 layers: 6 are
+    traced and unrolled to 8, event for event the full trace. A stack that does not repeat (a first
+    dense layer) is traced whole."""
+    from tests.evaluators.test_derived import tiny_hybrid
+
+    spec = tiny_hybrid("qwen2_moe", layers=8)
+    assert simulated.trace_depth(spec) == unroll.Depth(8, 2)
+    assert simulated.trace_depth(tiny_hybrid("glm4_moe", layers=8)) is None
+    plan = Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full")
+    workload = Workload(seq_len=128, global_batch=2)
+    target = TraceDevice("cuda", (8, 0))
+    assert_same(run_trace(spec, plan, workload, target), run_trace(spec, plan, workload, target, unrolled=False))

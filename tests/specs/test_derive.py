@@ -76,7 +76,7 @@ def test_the_derived_family_of_a_registered_type_is_the_one_written_by_hand(mode
 
     from autofit.specs.derive import derive
 
-    built = derive(AutoConfig.for_model(model_type))
+    (built,) = derive(AutoConfig.for_model(model_type)).blocks
     written = FAMILIES[model_type]
     assert {k: built.family[k] for k in FIELDS} == {k: getattr(written, k) for k in FIELDS}
     assert built.analytic == ""
@@ -104,7 +104,8 @@ def test_a_local_config_of_a_new_type_resolves(tmp_path):
         ({"model_type": "jetmoe"}, "JetMoeParallelExperts.* no routing assumption for them"),
         ({"model_type": "llama4_text"}, "Llama4TextExperts.* no routing assumption for them"),
         ({"model_type": "olmoe", "output_router_logits": True}, "output_router_logits is true"),
-        ({"model_type": "deepseek_v3"}, "layers differ in size .* dense and mixture-of-experts layers"),
+        ({"model_type": "qwen3_next"}, "stacks linear_attention layers beside softmax attention"),
+        ({"model_type": "jamba"}, "stacks linear_attention layers beside softmax attention"),
         (
             {"model_type": "olmoe", "num_experts_per_tok": None},
             "cannot read it as a olmoe config .*num_experts_per_tok",
@@ -155,9 +156,44 @@ def test_the_derived_family_of_a_registered_moe_is_the_one_written_by_hand(model
     from autofit.specs.derive import derive
 
     cfg = AutoConfig.for_model(model_type)
-    built = derive(cfg)
+    (built,) = derive(cfg).blocks
     written = FAMILIES[model_type]
     keys = FIELDS + ["experts_key", "top_k_key", "expert_width_key", "router_fp32"]
     assert {k: built.family[k] for k in keys} == {k: getattr(written, k) for k in keys}
     shared = getattr(cfg, written.shared_expert_key) if written.shared_expert_key else 0
     assert built.experts["shared_width"] == shared and built.analytic == ""
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "ernie4_5_moe", "qwen3_moe", "qwen2_moe"])
+def test_a_hybrid_stack_counts_each_kind_as_transformers_builds_it(model_type):
+    """Dense layers beside MoE layers: each kind is read from its first layer, the stack says which
+    layer is which, and the counts are the built model's (its Linears: every kind's, each name once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from autofit.specs.derive import _peft_remaps
+    from tests.evaluators.test_derived import HYBRID, tiny_hybrid
+
+    spec = tiny_hybrid(model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.to_hf_config())
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+    dense = {
+        "first_k_dense_replace": (0,),
+        "moe_layer_start_index": (0,),
+        "mlp_only_layers": (0,),
+        "decoder_sparse_step": (0, 2),
+    }[next(iter(HYBRID[model_type]))]
+    assert spec.hybrid and [spec.stack[i] for i in dense] == [spec.stack[dense[0]]] * len(dense)
+    assert {spec.stack[i] for i in range(4) if i not in dense} == {1 - spec.stack[dense[0]]}
+    (n_dense, dense_kind), (n_moe, moe_kind) = sorted(spec.layer_kinds(), key=lambda nk: nk[1].family.moe)
+    assert (n_dense, n_moe) == (len(dense), 4 - len(dense)) and not dense_kind.family.moe and moe_kind.family.moe
+    assert spec.family.moe and spec.layer_params() == moe_kind.layer_params() > dense_kind.layer_params()
+    assert spec.linear_params() == sum(n * sum(i * o for _, i, o, _ in k.linears()) for n, k in spec.layer_kinds())
+    # where PEFT remaps a target named gate_proj (to the routed experts), it does so in every layer:
+    # the dense layers' MLP Linears of those names are frozen too
+    remapped = _peft_remaps(model_type)
+    for name, _, _, part in dense_kind.linears():
+        assert (part == "frozen") == (name.rsplit(".", 1)[-1] in remapped), name
+    back = ModelSpec.from_dict(json.loads(json.dumps(spec.as_dict())))
+    assert back == spec and back.layer_kinds() == spec.layer_kinds()
