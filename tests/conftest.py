@@ -90,6 +90,21 @@ def store(db_url):
         yield s
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _census_cache(tmp_path_factory):
+    """The analytic evaluator's censuses kept in one folder for the session (its CLI subprocesses
+    too), never the user's cache: each is run once per session (evaluators/census_cache.py)."""
+    from autofit.evaluators import census_cache
+
+    old = os.environ.get(census_cache.ENV_VAR)
+    os.environ[census_cache.ENV_VAR] = str(tmp_path_factory.mktemp("census"))
+    yield
+    if old is None:
+        os.environ.pop(census_cache.ENV_VAR, None)
+    else:
+        os.environ[census_cache.ENV_VAR] = old
+
+
 @pytest.fixture(autouse=True)
 def _no_ambient_db(monkeypatch, tmp_path):
     """No test may touch the user's real database through $AUTOFIT_DB or the default path."""

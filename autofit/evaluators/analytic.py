@@ -576,16 +576,25 @@ def _compiled_block(blk: _Block, model: ModelSpec, plan: Plan, cpu: bool, capabi
 
 
 def _block_note(model: ModelSpec) -> dict[str, str]:
-    """How the analytic evaluator read a derived model's block (``TrialResult.extra["block"]``)."""
+    """How the analytic evaluator read a derived model's block (``TrialResult.extra["block"]``): each
+    kind's, for a hybrid stack."""
     if not model.derived:
         return {}
     from autofit.evaluators import traced
 
-    why = traced.formulas_miss(model)
-    how = (
-        f"one block traced for its saves: {why}" if why else "itemized by the formulas, which one traced block confirms"
-    )
-    return {"block": f"{model.model_type} ({model.family.decoder_layer}, read from transformers): {how}"}
+    def how(kind: ModelSpec) -> str:
+        why = traced.formulas_miss(kind)
+        return (
+            f"one block traced for its saves: {why}"
+            if why
+            else "itemized by the formulas, which one traced block confirms"
+        )
+
+    read = f"{model.model_type} ({model.family.decoder_layer}, read from transformers)"
+    if not model.hybrid:
+        return {"block": f"{read}: {how(model)}"}
+    kinds = "; ".join(f"{n} from layer {k.first_layer}: {how(k)}" for n, k in model.layer_kinds())
+    return {"block": f"{read}, layers of {len(model.layer_kinds())} kinds: {kinds}"}
 
 
 def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:

@@ -12,7 +12,7 @@ attended position (eager attention's s² scores). The transients around the bloc
 forward census cannot see, are taken at the sizes of a llama block of the same widths.
 
 A trace costs well under a second at any model size (fake tensors hold no memory) and is
-cached per plan's block-relevant fields.
+cached per plan's block-relevant fields, in the process and on disk (``census_cache``).
 
 A ``torch_compile`` plan's block is censused once more, with ``evaluators.compiled``'s stand-in
 (one AOTAutograd compile, about a second), forward and backward at one prime length
@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 
+from autofit.evaluators import census_cache
 from autofit.plan import Attention, Checkpointing, Method, Offload, OffloadDevice, Optimizer, Plan, Sharding
 from autofit.specs import ModelSpec, Workload
 from autofit.techniques import dtype_layout
@@ -78,6 +79,7 @@ def _census_plan(plan: Plan) -> Plan:
 
 
 @functools.lru_cache(maxsize=512)
+@census_cache.on_disk(list, tuple)
 def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     one = _one_layer(model)
     return _per_token(*(float(sum(_census(one, plan, s, cpu, capability).storages)) for s in LENGTHS))
@@ -152,7 +154,17 @@ def _compiled_key(plan: Plan) -> Plan:
     return key.replace(attention=Attention.SDPA, packing=False) if key.attention is Attention.FLASH2 else key
 
 
+def _work_from(data: dict) -> CompiledWork:
+    """A :class:`CompiledWork` back from its JSON form (lists to tuples)."""
+
+    def tup(x):
+        return tuple(tup(v) for v in x) if isinstance(x, list) else x
+
+    return CompiledWork(**{k: tup(v) for k, v in data.items()})
+
+
 @functools.lru_cache(maxsize=256)
+@census_cache.on_disk(dataclasses.asdict, _work_from)
 def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
     from autofit.evaluators import compiled
 
@@ -176,6 +188,7 @@ def eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, 
 
 
 @functools.lru_cache(maxsize=256)
+@census_cache.on_disk(list, tuple)
 def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> Terms:
     return _sum(_split(n) for n in _census(_one_layer(model), plan, PRIME, cpu, capability).storages)
 

@@ -35,6 +35,7 @@ from autofit.plan import (
     Plan,
     Precision,
     Sharding,
+    experts_in_bf16,
     plan_problems,
 )
 from autofit.specs import Target
@@ -304,7 +305,7 @@ class SearchSpace:
         if attention is Attention.FLASH2 and self.ctx.workload.lengths is not None:
             packing = bool(trial.suggest_categorical("packing", [False, True]))
         switches = self._switches(trial, precision, sharding, mb, ckpt, cp)
-        switches["torch_compile"] = self._compile(trial, method, attention, switches, cp)
+        switches["torch_compile"] = self._compile(trial, method, attention, switches, cp, (precision, sharding))
         if switches["checkpoint_ops"]:
             ckpt = Checkpointing.SELECTIVE
         return Plan(
@@ -364,14 +365,22 @@ class SearchSpace:
         }
 
     def _compile(
-        self, trial: TrialLike, method: Method, attention: Attention, switches: dict[str, bool], cp: int
+        self,
+        trial: TrialLike,
+        method: Method,
+        attention: Attention,
+        switches: dict[str, bool],
+        cp: int,
+        dtypes: tuple[Precision, Sharding],
     ) -> bool:
-        """torch.compile of the blocks on GPU targets, where it is modelled (plan._compile_problems);
-        not beside eager attention, which inductor turns into sdpa (choose sdpa instead)."""
+        """torch.compile of the blocks on GPU targets, where it is modelled (plan._compile_problems;
+        MoE experts in bf16 only); not beside eager attention, which inductor turns into sdpa (choose
+        sdpa instead)."""
         if (
             not self.allow_torch_compile
             or self.ctx.cluster.gpu.kind != "cuda"
             or method in (Method.QLORA, Method.LORA_8BIT)
+            or (self.ctx.model.has_experts and not experts_in_bf16(dtypes[0], method, dtypes[1]))
             or attention is Attention.EAGER
             or cp > 1
             or any(switches[k] for k in ("fused_kernels", "offload_activations", "checkpoint_ops"))

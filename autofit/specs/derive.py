@@ -722,7 +722,8 @@ def _projections(lin, core: dict[str, Any], why: list[str], moe: bool) -> tuple[
     h, qd, kd, inter = core["hidden_size"], core["num_heads"] * core["head_dim"], None, core["intermediate_size"]
     kd = core["num_kv_heads"] * core["head_dim"]
     att = _output_last([x for x in lin if x[3] == "attention"], qd, h)
-    mlp = _output_last([x for x in lin if x[3] == "mlp"], inter, h)
+    # (a dense block's MLP Linears beside MoE blocks are frozen where PEFT remaps their names: still its MLP)
+    mlp = _output_last([x for x in lin if x[3] in ("mlp", "frozen")], inter, h)
     shapes = [(x[1], x[2]) for x in att]
     attention: dict[str, Any] = {"in": tuple(n for n, *_ in att[:-1]), "out": att[-1][0] if att else ""}
     if shapes not in ([(h, qd), (h, kd), (h, kd), (qd, h)], [(h, qd + 2 * kd), (qd, h)]):

@@ -604,6 +604,25 @@ class ModelSpec:
         """What an answer on a model type no family describes says of it ("" for a registered family)."""
         if not self.derived:
             return ""
+        frozen = [n for n, _, _, part in self.linears() if part == "frozen"]
+        unadapted = (
+            f"; LoRA leaves {', '.join(frozen)} unadapted: PEFT turns a target of that name into LoRA on every "
+            "routed expert's weights (peft.utils.transformers_weight_conversion)"
+            if frozen
+            else ""
+        )
+        head = f"{self.model_type} is no registered family: its {self.family.decoder_layer}"
+        if not self.hybrid:
+            return f"{head} block was read from the model transformers builds ({self._block_text()}){unadapted}"
+        kinds = "; ".join(
+            f"{n} layer{'s' if n > 1 else ''} from layer {k.first_layer} ({k._block_text()})"
+            for n, k in self.layer_kinds()
+        )
+        n = len(self.layer_kinds())
+        return f"{head} layers are of {n} kinds, each read from the model transformers builds: {kinds}{unadapted}"
+
+    def _block_text(self) -> str:
+        """A derived block's shape, and how the analytic evaluator reads it."""
         f = self.family
         how = (
             f"the analytic evaluator traces one block for its saves, since {self.analytic_gap}"
@@ -618,17 +637,7 @@ class ModelSpec:
                 f"{self.num_experts} routed {f.activation or '?'} experts {self.expert_width} wide, "
                 f"{self.experts_per_token} per token" + (f", a shared expert {ws} wide" if ws else "")
             )
-        frozen = [n for n, _, _, part in self.linears() if part == "frozen"]
-        unadapted = (
-            f"; LoRA leaves {', '.join(frozen)} unadapted: PEFT turns a target of that name into LoRA on every "
-            "routed expert's weights (peft.utils.transformers_weight_conversion)"
-            if frozen
-            else ""
-        )
-        return (
-            f"{self.model_type} is no registered family: its {f.decoder_layer} block was read from the model "
-            f"transformers builds ({f.norm}, {mlp}, {f.positions} positions); {how}{unadapted}"
-        )
+        return f"{f.norm}, {mlp}, {f.positions} positions; {how}"
 
     def _counted(self, key: str):
         """A derived spec's count or layer list as transformers built it (None: use the formulas)."""
@@ -649,6 +658,11 @@ class ModelSpec:
         not a model to build: the analytic evaluator traces one by cutting the stack after
         ``first_layer`` (``evaluators/traced.py``)."""
         return _layer_kinds(self)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any of its layers routes experts (a hybrid stack's MoE kind, or every layer)."""
+        return any(k.family.moe for _, k in self.layer_kinds())
 
     @property
     def stack(self) -> tuple[int, ...]:

@@ -9,9 +9,9 @@ import torch
 from autofit.errors import PlanError
 from autofit.evaluators import compiled
 from autofit.evaluators import runtime as rt
-from autofit.evaluators.analytic import estimate
+from autofit.evaluators.analytic import AnalyticEvaluator, estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
-from autofit.plan import Plan, validate_plan
+from autofit.plan import Plan, plan_problems, validate_plan
 from autofit.specs import Target, Workload, parse_cluster
 from tests.conftest import tiny
 
@@ -119,6 +119,37 @@ def test_what_compile_is_not_modelled_with_is_refused():
     lines = str(err.value)
     assert "--torch-compile is not modelled with 4-bit base weights (qlora)" in lines
     assert "--torch-compile is not modelled with --fused-kernels" in lines
+
+
+def test_moe_experts_compile_in_bf16_only_and_the_screen_offers_no_other():
+    """The grouped GEMM's fake kernel takes bf16 only, and AOTAutograd traces through it: an MoE
+    plan whose experts run in fp32 (full fine-tuning in bf16-mixed on one GPU keeps fp32 weights) or
+    fp16 is refused with --torch-compile, and the search does not offer it there; the screen of an
+    MoE model on a GPU runs (it crashed on those plans before)."""
+    from autofit.search.space import SearchSpace
+
+    spec = tiny("qwen1.5-moe-a2.7b")
+    target = (spec, parse_cluster("1xH100"), Workload(seq_len=256, global_batch=1))
+    with pytest.raises(PlanError, match="not modelled for MoE experts outside bf16"):
+        validate_plan(Plan(precision="bf16-mixed", torch_compile=True), *target)
+    validate_plan(Plan(method="lora", lora_rank=8, precision="bf16-mixed", torch_compile=True), *target)
+    plans = list(SearchSpace(Target(*target)).enumerate())
+    compiled = [p for p in plans if p.torch_compile]
+    assert compiled and all(not plan_problems(p, *target) for p in compiled)
+    assert {p.method.value for p in compiled} == {"full", "lora"}
+    ev = AnalyticEvaluator()
+    assert all(ev.evaluate(p, Target(*target)).memory is not None for p in compiled[:: max(1, len(compiled) // 12)])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "fp16-mixed"])
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("sharding", ["none", "zero2", "fsdp"])
+def test_experts_in_bf16_is_the_dtype_layouts_base(precision, method, sharding):
+    from autofit.plan import experts_in_bf16
+    from autofit.techniques import dtype_layout
+
+    plan = Plan(method=method, lora_rank=8 if method == "lora" else None, precision=precision, sharding=sharding)
+    assert experts_in_bf16(plan.precision, plan.method, plan.sharding) == (dtype_layout(plan).base == "bfloat16")
 
 
 def test_plan_id_is_unchanged_without_compile():

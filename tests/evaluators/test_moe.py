@@ -117,11 +117,15 @@ def test_moe_configs_autofit_cannot_route_are_refused_in_one_line(change, fragme
     assert "\n" not in str(info.value)
 
 
-def test_qwen3_moe_with_dense_layers_is_refused(tmp_path):
+def test_qwen3_moe_with_dense_layers_is_a_hybrid_stack(tmp_path):
+    """Dense layers among the MoE ones (mlp_only_layers) are not the registered family's block: the
+    config is read from transformers' model kind by kind (specs/derive.py, a hybrid stack)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**QWEN3_MOE, "mlp_only_layers": [0, 1]}))
-    with pytest.raises(SpecError, match="'mlp_only_layers' is \\[0, 1\\]; autofit models qwen3_moe blocks"):
-        resolve_model(str(path))
+    spec = resolve_model(str(path))
+    assert spec.hybrid and spec.stack[:3] == (0, 0, 1) and [n for n, _ in spec.layer_kinds()] == [2, 46]
+    dense = spec.layer_kinds()[0][1].layer_params()
+    assert spec.n_params == resolve_model("qwen3-30b-a3b").n_params - 2 * (spec.layer_params() - dense)
 
 
 @pytest.mark.parametrize("family", ["mixtral-8x7b", "qwen1.5-moe-a2.7b"])
