@@ -24,6 +24,11 @@ class PlanError(AutofitError, ValueError):
         super().__init__("; ".join(self.problems))
 
 
+class CensusError(AutofitError):
+    """One block of a model cannot be built or traced under a plan (the analytic evaluator's
+    census, ``evaluators/traced.py``): that plan fails, the search goes on."""
+
+
 class StoreError(AutofitError):
     """The database cannot be reached, is of the wrong schema, or lacks a row."""
 

@@ -506,7 +506,7 @@ def _checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
 def _op_checkpointing_problems(plan: Plan, model: ModelSpec) -> list[str]:
     """What op-level checkpointing is not modelled with (the estimators would guess)."""
     p = []
-    if model.family.moe:
+    if model.has_experts:
         # the experts' GEMMs (torch._grouped_mm, or one mm per expert off CUDA) depend on the routing
         p.append(
             f"--checkpoint-ops is not modelled for mixture-of-experts blocks ({model.model_type}): "

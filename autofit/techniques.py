@@ -182,11 +182,13 @@ def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
     #1849): QLoRA saves the attention's weights, not the experts'."""
     # a model type no family describes: how it was read and itemized
     notes = {"block": spec.derivation} if spec.derived else {}
-    if not spec.family.moe:
+    if not spec.has_experts:
         return notes
     notes["routing"] = spec.routing_assumption
     if plan.quantized:
-        experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.expert_width
+        experts = sum(
+            n * k.num_experts * 3 * k.hidden_size * k.expert_width for n, k in spec.layer_kinds() if k.family.moe
+        )
         notes["note"] = (
             f"bitsandbytes quantizes nn.Linear layers only: the {experts / 1e9:.1f}B expert parameters stay 16-bit "
             f"under {plan.method.value} (transformers 5 keeps them as fused 3-D tensors; bitsandbytes issue #1849)"

@@ -29,10 +29,11 @@ import functools
 import time
 from dataclasses import dataclass, fields, replace
 
+from autofit.errors import CensusError
 from autofit.evaluators import context, costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Method, Offload, Optimizer, Plan, Precision
-from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
+from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.techniques import all_checkpointed, checkpointed_layers, dtype_layout, model_notes
 
@@ -65,8 +66,6 @@ class _Block:
 
     def layers(self, num_layers: int) -> list[_Block]:
         """Each layer's block, in order."""
-        if not self.kinds:
-            return [self] * num_layers
         out: list[_Block] = [self] * num_layers
         for idx, blk in self.kinds:
             for i in idx:
@@ -1449,7 +1448,7 @@ def _recomputed(plan: Plan, ctx: Target, gemms: tuple[Gemm, ...], rc: float, att
     return recomputed, attn_fwd / 2 if attention == "alibi" else 0.0
 
 
-def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: float, q_fwd: int, q_bwd: int) -> tuple[float, float]:
+def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: float, q_fwd: float, q_bwd: float) -> tuple[float, float]:
     """Kernels one block issues forward and backward (the ``KERNELS_*`` counts; ``q_*``: the
     quantized weights', ``_quantized_work``)."""
     autocasts = dtype_layout(plan).autocasts
@@ -1586,7 +1585,17 @@ class AnalyticEvaluator(Evaluator):
 
     def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         t0 = time.perf_counter()
-        est = estimate(plan, ctx)
+        try:
+            est = estimate(plan, ctx)
+        except CensusError as exc:  # a derived block PEFT or a fake kernel refuses under this plan
+            return TrialResult(
+                plan=plan,
+                status=Status.FAILED,
+                evaluator=self.name,
+                capacity_bytes=ctx.capacity_bytes,
+                reason=str(exc),
+                duration_s=time.perf_counter() - t0,
+            )
         margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
         status, reason = judge(est.memory, ctx)
         return TrialResult(

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 
+from autofit.errors import CensusError
 from autofit.evaluators import census_cache
 from autofit.plan import Attention, Checkpointing, Method, Offload, OffloadDevice, Optimizer, Plan, Sharding
 from autofit.specs import ModelSpec, Workload
@@ -293,7 +294,22 @@ def _census(
     model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
 ) -> _Census:
     """What the last block saves for backward in one fake forward; for a ``torch_compile`` plan
-    its partitioned graphs (the backward's once ``backward`` runs the step's backward)."""
+    its partitioned graphs (the backward's once ``backward`` runs the step's backward). A model
+    that cannot be built or run under the plan raises :class:`~autofit.errors.CensusError`."""
+    try:
+        return _run_census(model, plan, seq, cpu, capability, backward)
+    except CensusError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers, PEFT or a fake kernel refusing the plan
+        line = next((x for x in reversed(str(exc).strip().splitlines()) if x.strip()), type(exc).__name__)
+        raise CensusError(
+            f"one {model.model_type} block cannot be traced under {plan.summary()} ({type(exc).__name__}: {line[:200]})"
+        ) from exc
+
+
+def _run_census(
+    model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool
+) -> _Census:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 

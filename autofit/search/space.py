@@ -336,7 +336,7 @@ class SearchSpace:
         if (
             ckpt is Checkpointing.FULL
             and sharding is not Sharding.FSDP
-            and not (model.family.moe or model.analytic_gap)
+            and not (model.has_experts or model.analytic_gap)
         ):
             ops = bool(trial.suggest_categorical("checkpoint_ops", [False, True]))
         offload_acts = False

@@ -2,8 +2,9 @@
 
 ``FAMILIES`` describes the block shapes autofit was written against. Any other causal LM that
 transformers implements natively is described here from its config: the model is built on the
-``meta`` device (no memory), its first decoder layer is read as data (its Linear layers with
-their names, shapes and biases, its norms, its parameter counts), and one forward pass on fake
+``meta`` device (no memory), the first decoder layer of each kind is read as data (its Linear
+layers with their names, shapes and biases, its norms, its parameter counts; a hybrid stack has
+several kinds: ``Derived.stack``), and one forward pass on fake
 tensors (``torch._subclasses.FakeTensorMode``: shapes only, no arithmetic) records the order in
 which the block calls its norms, attention and MLP, and what each reads. The result is a
 :class:`Derived`: the exact parameter counts and Linear layers the simulated and measured
@@ -161,8 +162,8 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     of layer from its first layer; ``keys`` as for :func:`core_fields`.
 
     A stack of layers of several kinds (DeepSeek-V3's and GLM-4.5's dense layers before their MoE
-    layers, Qwen3-Next's linear and full attention) is read kind by kind, each from a model of its
-    own (a fake forward swaps a model's tensors)."""
+    layers) is read kind by kind, each from a model of its own (a fake forward swaps a model's
+    tensors); one that mixes in linear attention is refused (:func:`_softmax_attention`)."""
     _router_loss(cfg)
     model = _build(cfg)
     layers = _decoder_layers(model, cfg)
@@ -255,17 +256,19 @@ def _decoder_layers(model, cfg: Any) -> list:
 
 
 def _softmax_attention(cfg: Any, layers: list, firsts: list[int]) -> None:
-    """Refuse a stack that mixes in layers of linear attention (Qwen3-Next's gated delta rule,
-    MiniMax's lightning attention: ``layer_types`` says ``linear_attention``): their chunked
-    recurrences hold transients the analytic block, taken at a softmax-attention block's sizes,
-    does not bound (measured on tiny Qwen3-Next: its peak 16% under the simulated trace)."""
+    """Refuse a stack with layers of another mixer than softmax attention, instead of it or beside
+    it (``layer_types`` says so: Qwen3-Next's and MiniMax's ``linear_attention``, Jamba's Mamba
+    layers, LFM2's ``conv``, Falcon-H1's ``hybrid`` Mamba-beside-attention): their chunked
+    recurrences and scans hold transients the analytic block, taken at a softmax-attention block's
+    sizes, does not bound (tiny Qwen3-Next: its peak 16% under the simulated trace), and PEFT
+    refuses LoRA on a Mamba mixer's projections."""
     types = getattr(cfg, "layer_types", None) or ()
-    linear = sorted({t for t in types if isinstance(t, str) and ("attention" not in t or t == "linear_attention")})
-    if len(firsts) > 1 and linear:
+    other = sorted({t for t in types if isinstance(t, str) and ("attention" not in t or t == "linear_attention")})
+    if other:
         classes = sorted({type(layers[i]).__name__ for i in firsts})
         raise SpecError(
-            f"{cfg.model_type} stacks {', '.join(linear)} layers beside softmax attention ({', '.join(classes)}); "
-            "autofit bounds the memory of softmax-attention blocks only, and models no linear-attention hybrid yet"
+            f"{cfg.model_type} has {', '.join(other)} layers ({', '.join(classes)}): autofit bounds the memory of "
+            "softmax-attention blocks, and models no linear-attention, convolution or state-space mixer yet"
         )
 
 

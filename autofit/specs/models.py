@@ -657,7 +657,7 @@ class ModelSpec:
         appears). One entry, the spec itself, unless :attr:`hybrid`. A kind's spec describes a block,
         not a model to build: the analytic evaluator traces one by cutting the stack after
         ``first_layer`` (``evaluators/traced.py``)."""
-        return _layer_kinds(self)
+        return _layer_kinds(self) if self.hybrid else ((self.num_layers, self),)
 
     @property
     def has_experts(self) -> bool:
@@ -733,10 +733,11 @@ class ModelSpec:
     def routing_assumption(self) -> str:
         """What the estimators assume of an MoE model's router, which fake tensors cannot
         follow ("" for a dense model; evaluators/moe.py says why this one)."""
-        if not self.family.moe:
+        moe = next((k for _, k in self.layer_kinds() if k.family.moe), None)
+        if moe is None:
             return ""
         return (
-            f"MoE routing: each token to {self.experts_per_token} of {self.num_experts} experts, spread evenly "
+            f"MoE routing: each token to {moe.experts_per_token} of {moe.num_experts} experts, spread evenly "
             f"({ROUTING})"
         )
 
@@ -1271,8 +1272,6 @@ def _formula_gap(formula: ModelSpec, want: tuple[int, int, int], linears: tuple)
 
 @functools.lru_cache(maxsize=256)
 def _layer_kinds(spec: ModelSpec) -> tuple[tuple[int, ModelSpec], ...]:
-    if not spec.hybrid:
-        return ((spec.num_layers, spec),)
     stack = spec.stack
     return tuple(
         (stack.count(k), dataclasses.replace(spec, num_layers=stack.count(k), n_params=0, derived=d))

@@ -268,3 +268,34 @@ def test_the_analytic_answer_on_a_hybrid_stack(model_type):
             assert getattr(ana.memory, comp) == pytest.approx(getattr(sim.memory, comp), rel=0.02)
         assert ana.throughput.flops_per_step == pytest.approx(sim.throughput.flops_per_step, rel=0.1)
         assert sim.extra["routing"] == ana.extra["routing"] == spec.routing_assumption
+
+
+def test_a_block_the_census_cannot_trace_fails_that_plan_and_the_screen_goes_on(monkeypatch):
+    """A derived block transformers, PEFT or a fake kernel refuses under one plan (PEFT refused LoRA
+    on Falcon-H1's Mamba projections, and the screen crashed): that plan fails with the reason, and
+    the screen ranks the others."""
+    from autofit.evaluators.analytic import AnalyticEvaluator
+    from autofit.search.loop import screen
+    from autofit.search.space import SearchSpace
+
+    spec = tiny_derived("olmo2")
+    real = traced._run_census
+
+    def refuse_lora(model, plan, *args):
+        if plan.is_peft:
+            raise ValueError("Module 'out_proj' is incompatible with this model\nsecond line")
+        return real(model, plan, *args)
+
+    monkeypatch.setattr(traced, "_run_census", refuse_lora)
+    for fn in (traced._terms, traced.formulas_miss):
+        fn.cache_clear()
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", "off")
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
+    lora = AnalyticEvaluator().evaluate(Plan(method="lora", lora_rank=8, micro_batch=2), ctx)
+    assert lora.status.value == "failed" and lora.memory is None
+    assert lora.reason.startswith("one olmo2 block cannot be traced under lora r8") and "second line" in lora.reason
+    scored = [r for _, r in screen(SearchSpace(ctx))]
+    assert scored[0].fits and scored[0].plan.method.value == "full"
+    assert {r.status.value for r in scored if r.plan.is_peft} == {"failed"}
+    for fn in (traced._terms, traced.formulas_miss):
+        fn.cache_clear()
