@@ -146,7 +146,7 @@ def main() -> int:
         "",
         f"Command: `python benchmarks/hybrid_stacks.py --seq {args.seq}` ({elapsed:.0f} s); "
         f"machine: {platform.processor() or platform.machine()}, no GPU. Predictions only: no GPU ran these.",
-        f"Routing: {routing}.",
+        f"{routing}.",
         "",
         f"Analytic vs simulated, seq {args.seq}, global batch = micro-batch × GPUs: peak "
         f"{min(e[0] for e in errors):+.1%} to {max(e[0] for e in errors):+.1%}, tokens/s "
