@@ -713,9 +713,10 @@ ALL_LAYERS_ENV = "AUTOFIT_TRACE_ALL_LAYERS"  # set to 1: trace every layer (no u
 def trace_depth(model: ModelSpec, plan: Plan | None = None) -> Depth | None:
     """How ``model`` is traced: 3 periods of its layers unrolled to all (None: every layer).
     The period is that of each layer's type (``layer_types``: sliding or full attention) and kind
-    (``ModelSpec.stack``: a hybrid stack's dense and MoE layers); a stack that does not repeat
-    (DeepSeek-V3's first dense layers) is traced whole. Selective checkpointing repeats every
-    ``checkpoint_every`` layers: the period covers it."""
+    (``ModelSpec.stack``: a hybrid stack's dense and MoE layers); layers before the repeating
+    ones (DeepSeek-V3's first dense layers) are traced once, as a head. Selective checkpointing
+    repeats every ``checkpoint_every`` layers: the period covers it (with a head, every layer is
+    traced)."""
     if os.environ.get(ALL_LAYERS_ENV, "") not in ("", "0"):
         return None
     selective = plan is not None and plan.checkpointing is Checkpointing.SELECTIVE
@@ -798,7 +799,7 @@ def _run_trace(model: ModelSpec, plan: Plan, workload: Workload, target: TraceDe
         t = time.perf_counter()
         u = unroll.unroll(depth, log, tags, tr.owners, kinds, marks, mark_tags)
         log, kinds, marks, tags, ops = u.log, u.kinds, u.marks, u.tags, ops.unrolled(depth)
-        template = [p for layer in layers[depth.period : 2 * depth.period] for p in layer.parameters()]
+        template = [p for i in depth.template for p in layers[i].parameters()]
         more = [(depth.copies - 1) * n for n in _param_counts(template)]
         n_params, n_trainable, grad_bytes = n_params + more[0], n_trainable + more[1], grad_bytes + more[2]
         timings["unroll_s"] = time.perf_counter() - t

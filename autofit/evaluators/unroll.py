@@ -3,7 +3,9 @@
 The simulator's cost is one fake dispatch per op, and a step's ops are almost all inside
 the decoder layers. So the step is traced on the same architecture with ``3P`` layers
 (``P``: the period of the layer kinds, 2 for Gemma-2's alternating attention): a first
-block of ``P`` layers, a *template* block, a last block. While it runs, every storage
+block of ``P`` layers, a *template* block, a last block. Layers before the repeating ones (a
+hybrid stack's first dense layers: DeepSeek-V3's 3) are a *head*, traced once with the first
+block (``Depth.head``). While it runs, every storage
 event and phase mark is tagged with the layer it belongs to (:class:`LayerContext`):
 
 - forward: the layer whose ``forward`` runs (module pre/post hooks);
@@ -54,31 +56,49 @@ class UnrollError(RuntimeError):
 
 @dataclass(frozen=True)
 class Depth:
-    """How a model of ``total`` layers is traced: ``traced`` = 3 × ``period`` layers."""
+    """How a model of ``total`` layers is traced: ``traced`` = ``head`` + 3 × ``period`` layers.
+    ``head``: layers before the repeating ones (a hybrid stack's first dense layers), traced once
+    as part of the first block."""
 
     total: int
     period: int
+    head: int = 0
 
     @property
     def traced(self) -> int:
-        return 3 * self.period
+        return self.head + 3 * self.period
 
     @property
     def copies(self) -> int:
         """How many times the template block appears in the full model."""
-        return self.total // self.period - 2
+        return (self.total - self.head) // self.period - 2
+
+    @property
+    def template(self) -> range:
+        """The traced layers of the template block."""
+        return range(self.head + self.period, self.head + 2 * self.period)
 
     def block(self, layer: Tag) -> int | None:
-        return None if layer is None else layer // self.period
+        return None if layer is None else max(0, (layer - self.head) // self.period)
 
     def full_layer(self, layer: int, copy: int | None = None) -> int:
         """The full model's index of traced ``layer`` (in template ``copy`` when it is one)."""
-        b = layer // self.period
+        b = self.block(layer)
         if b == 0:
             return layer
         if b == 2:
             return layer + self.total - self.traced
-        return self.period * (1 + (copy or 0)) + layer % self.period
+        return self.head + self.period * (1 + (copy or 0)) + (layer - self.head) % self.period
+
+    def traced_layer(self, at: int) -> tuple[int, int | None]:
+        """The traced layer of the full model's layer ``at``, and its template copy (None outside
+        the template)."""
+        p, h = self.period, self.head
+        if at < h + p:
+            return at, None
+        if at >= self.total - p:
+            return at - (self.total - self.traced), None
+        return h + p + (at - h) % p, (at - h) // p - 1
 
 
 def layer_period(layer_types: Sequence[Any] | None) -> int:
@@ -92,11 +112,21 @@ def layer_period(layer_types: Sequence[Any] | None) -> int:
 
 def depth_for(num_layers: int, layer_types: Sequence[Any] | None, every: int = 1) -> Depth | None:
     """The unroll of a model, or None where tracing all its layers is as cheap or it does not repeat.
-    ``every``: a per-layer pattern the step adds (selective checkpointing's period)."""
-    p = math.lcm(layer_period(layer_types), every)
-    if num_layers % p or num_layers <= 3 * p:
+    ``every``: a per-layer pattern the step adds (selective checkpointing's period). Layers before
+    the repeating ones (a hybrid stack's first dense layers) become a ``head``, where the step adds
+    no pattern of its own (``every`` 1): the fewest layers traced wins."""
+    types = list(layer_types or ())
+    p = math.lcm(layer_period(types), every)
+    if not num_layers % p and num_layers > 3 * p:
+        return Depth(num_layers, p)
+    if every != 1 or len(types) != num_layers:
         return None
-    return Depth(num_layers, p)
+    best = None
+    for head in range(1, num_layers):
+        p = layer_period(types[head:])
+        if not (num_layers - head) % p and head + 3 * p < num_layers and (best is None or head + 3 * p < best.traced):
+            best = Depth(num_layers, p, head)
+    return best
 
 
 def traced_spec(spec, depth: Depth):
@@ -321,14 +351,13 @@ def unroll(
         at = depth.full_layer(tag, copy) + owner - tag  # the full model's layer that made it
         if at < 0 or at >= depth.total:
             raise UnrollError(f"a free in layer {tag} reaches layer {at}, outside the model")
-        b = 0 if at < depth.period else 2 if at >= depth.total - depth.period else 1
-        layer = at if b == 0 else at - (depth.total - depth.traced) if b == 2 else depth.period + at % depth.period
+        layer, at_copy = depth.traced_layer(at)
         if layer != owner:  # the same storage of another layer
             other = counterparts.of(key, owner, layer)
             if other is None:
                 raise UnrollError(f"storage {key} of layer {owner} has no counterpart in layer {layer}")
             key = other
-        return key, (at // depth.period - 1 if b == 1 else None)
+        return key, at_copy
 
     def emit(item: tuple[str, int, Tag], copy: int | None) -> None:
         what, i, tag = item

@@ -253,16 +253,42 @@ def test_the_evaluator_says_how_many_layers_it_traced():
     assert result.extra["timings"]["layers_traced"] == 3
 
 
-def test_a_hybrid_stack_unrolls_by_the_period_of_its_kinds():
+@pytest.mark.parametrize(
+    "model_type,depth",
+    [
+        ("qwen2_moe", unroll.Depth(8, 2)),
+        ("glm4_moe", unroll.Depth(8, 1, head=1)),
+        ("deepseek_v3", unroll.Depth(8, 1, 1)),
+    ],
+)
+@pytest.mark.parametrize("plan_name", ["lora-ckpt", "full-bf16"])
+def test_a_hybrid_stack_unrolls_by_the_period_of_its_kinds(model_type, depth, plan_name):
     """Qwen2-MoE with every other layer dense (decoder_sparse_step 2) repeats every 2 layers: 6 are
-    traced and unrolled to 8, event for event the full trace. A stack that does not repeat (a first
-    dense layer) is traced whole."""
+    traced and unrolled to 8. GLM-4.5 and DeepSeek-V3 with a first dense layer repeat after it: that
+    layer is a head before the first block, 4 are traced. Event for event the full trace."""
     from tests.evaluators.test_derived import tiny_hybrid
 
-    spec = tiny_hybrid("qwen2_moe", layers=8)
-    assert simulated.trace_depth(spec) == unroll.Depth(8, 2)
-    assert simulated.trace_depth(tiny_hybrid("glm4_moe", layers=8)) is None
-    plan = Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full")
+    spec = tiny_hybrid(model_type, layers=8)
+    assert simulated.trace_depth(spec) == depth
+    plan = {
+        "lora-ckpt": Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full"),
+        "full-bf16": Plan(precision="bf16-true", micro_batch=2),
+    }[plan_name]
     workload = Workload(seq_len=128, global_batch=2)
     target = TraceDevice("cuda", (8, 0))
     assert_same(run_trace(spec, plan, workload, target), run_trace(spec, plan, workload, target, unrolled=False))
+
+
+def test_a_head_before_the_periods():
+    """The fewest layers traced: a head of dense layers, then three periods; none where the step adds
+    a per-layer pattern of its own (selective checkpointing) or the rest does not repeat."""
+    assert unroll.depth_for(61, [0] * 3 + [1] * 58) == unroll.Depth(61, 1, head=3)
+    assert unroll.depth_for(61, [0] * 3 + [1] * 58, every=2) is None
+    assert unroll.depth_for(9, [0, 1, 2, 1, 2, 1, 2, 1, 2]) == unroll.Depth(9, 2, head=1)
+    assert unroll.depth_for(6, [0, 1, 1, 1, 1, 1]) == unroll.Depth(6, 1, head=1)
+    assert unroll.depth_for(4, [0, 1, 1, 1]) is None  # 1 + 3 periods is every layer
+    assert unroll.depth_for(6, [0, 1, 2, 3, 1, 2]) is None  # no repeating rest
+    d = unroll.Depth(61, 1, head=3)
+    assert (d.traced, d.copies, list(d.template)) == (6, 56, [4])
+    assert [d.full_layer(i, 0 if i == 4 else None) for i in range(6)] == [0, 1, 2, 3, 4, 60]
+    assert d.traced_layer(3) == (3, None) and d.traced_layer(30) == (4, 26) and d.traced_layer(60) == (5, None)
