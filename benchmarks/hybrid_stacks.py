@@ -5,8 +5,8 @@
 DeepSeek-V3 and its smaller relatives (Moonlight-16B-A3B, DeepSeek-V2-Lite: dense first layers,
 multi-head latent attention), GLM-4.5-Air and ERNIE-4.5-21B-A3B, read from their configs
 (``specs/derive.py``, kind by kind). For a few plans on the GPUs people fine-tune them on: the
-peak allocated memory and tokens/s from the simulated evaluator (the whole stack traced on fake
-tensors: it does not repeat) and the analytic one (each kind's block, summed layer by layer), and
+peak allocated memory and tokens/s from the simulated evaluator (the dense layers traced once as a
+head, then three layers unrolled to the rest: ``unroll.Depth.head``) and the analytic one (each kind's block, summed layer by layer), and
 their ratio. Then, per model × GPUs, the fastest fitting plan of each method over the whole space
 as the analytic screen ranks it. Both estimators assume balanced routing. The simulated side is
 checked against real CPU steps in ``tests/evaluators/test_derived.py``; nothing here ran on a GPU.
