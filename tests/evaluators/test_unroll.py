@@ -292,3 +292,16 @@ def test_a_head_before_the_periods():
     assert (d.traced, d.copies, list(d.template)) == (6, 56, [4])
     assert [d.full_layer(i, 0 if i == 4 else None) for i in range(6)] == [0, 1, 2, 3, 4, 60]
     assert d.traced_layer(3) == (3, None) and d.traced_layer(30) == (4, 26) and d.traced_layer(60) == (5, None)
+
+
+def test_a_pattern_that_repeats_after_an_offset_unrolls_with_a_head():
+    """Gemma-3 1B's 26 layers: its 5:1 sliding:full pattern repeats over the last 24, so 2 layers are
+    a head and 20 are traced (before heads, all 26 were); event for event the full trace."""
+    from tests.evaluators.test_derived import tiny_derived
+
+    spec = tiny_derived("gemma3_text", layers=26)
+    assert simulated.trace_depth(spec) == unroll.Depth(26, 6, head=2)
+    plan = Plan(precision="bf16-true", micro_batch=1, checkpointing="full")
+    workload = Workload(seq_len=128, global_batch=1)
+    target = TraceDevice("cuda", (8, 0))
+    assert_same(run_trace(spec, plan, workload, target), run_trace(spec, plan, workload, target, unrolled=False))
