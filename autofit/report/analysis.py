@@ -394,6 +394,8 @@ def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[An
     """
     ev = AnalyticEvaluator()
     baseline = ev.evaluate(plan, ctx)
+    if baseline.memory is None:  # a derived block the census cannot trace under it (errors.CensusError)
+        return Effects(baseline, (), ((plan.summary(), (baseline.reason or str(baseline.status),)),))
     base_mem = baseline.memory.device_total
     toggles: list[Toggle] = []
     skipped: list[tuple[str, tuple[str, ...]]] = []
@@ -407,6 +409,9 @@ def technique_effects(plan: Plan, ctx: Target, allowed: Mapping[str, Sequence[An
             continue
         seen.add(variant.plan_id)
         r = ev.evaluate(variant, ctx)
+        if r.memory is None:
+            skipped.append((label, (r.reason or str(r.status),)))
+            continue
         ratio = r.tokens_per_sec / baseline.tokens_per_sec if baseline.tokens_per_sec else 0.0
         toggles.append(
             Toggle(

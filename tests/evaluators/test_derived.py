@@ -300,3 +300,30 @@ def test_a_block_the_census_cannot_trace_fails_that_plan_and_the_screen_goes_on(
     assert {r.status.value for r in scored if r.plan.is_peft} == {"failed"}
     for fn in (traced._terms, traced.formulas_miss):
         fn.cache_clear()
+
+
+def test_the_reports_toggles_skip_a_variant_the_census_cannot_trace(monkeypatch):
+    """The report toggles one technique at a time; a toggle whose block cannot be traced (LoRA here)
+    is skipped with the reason, the others are evaluated."""
+    from autofit.report import analysis
+
+    spec = tiny_derived("olmo2")
+    real = traced._run_census
+
+    def refuse_lora(model, plan, *args):
+        if plan.is_peft:
+            raise ValueError("no LoRA on this block")
+        return real(model, plan, *args)
+
+    monkeypatch.setattr(traced, "_run_census", refuse_lora)
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", "off")
+    traced._terms.cache_clear()
+    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
+    try:
+        effects = analysis.technique_effects(Plan(precision="bf16-mixed", micro_batch=2), ctx)
+        assert effects.toggles and all(t.result.memory is not None for t in effects.toggles)
+        assert any("no LoRA on this block" in problem for _, problems in effects.skipped for problem in problems)
+        failed = analysis.technique_effects(Plan(method="lora", lora_rank=8, micro_batch=2), ctx)
+        assert not failed.toggles and "no LoRA on this block" in failed.skipped[0][1][0]
+    finally:
+        traced._terms.cache_clear()
