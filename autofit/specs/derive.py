@@ -176,6 +176,8 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
         head_params += sum(p.numel() for n, p in head.named_parameters() if not (tied and n == "weight"))
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     firsts = [stack.index(kind) for kind in range(max(stack) + 1)]
+    if all(_child(layers[i], "attention", ("attention", "attn"))[1] is None for i in firsts):
+        _attention(cfg, layers[0])  # no attention in any layer (Mamba, RWKV): not a transformer decoder
     _softmax_attention(cfg, layers, firsts)
     # PEFT remaps a LoRA target by its name in every layer (a dense layer's ``mlp.gate_proj`` too):
     # where any kind routes experts, those names are frozen in every kind
@@ -197,14 +199,9 @@ def _block(
     """One kind of layer, read from ``block`` (its first layer) in ``model``; ``remapped``: the Linear
     names PEFT does not adapt as Linears (:func:`_peft_remaps`)."""
     experts = _experts(cfg, block)
-    attn = _child(block, "attention", ("attention", "attn"))
+    attn = _attention(cfg, block)
     # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
     mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
-    if attn[1] is None:
-        raise SpecError(
-            f"{cfg.model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
-            "transformer decoders (attention and MLP blocks), and this is not one"
-        )
     lin = _linears(block, attn, remapped)
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
@@ -282,6 +279,17 @@ def _stack(layers: list) -> tuple[int, ...]:
         kinds.setdefault((type(b).__name__, tuple((n, tuple(p.shape)) for n, p in b.named_parameters())), len(kinds))
         for b in layers
     )
+
+
+def _attention(cfg: Any, block):
+    """The block's attention child ``(name, module)``; refused where it has none."""
+    attn = _child(block, "attention", ("attention", "attn"))
+    if attn[1] is None:
+        raise SpecError(
+            f"{cfg.model_type}'s decoder layer {type(block).__name__} has no attention module: autofit models "
+            "transformer decoders (attention and MLP blocks), and this is not one"
+        )
+    return attn
 
 
 def _child(block, cls_word: str, names: tuple[str, ...]):
