@@ -33,7 +33,7 @@ from autofit.errors import CensusError
 from autofit.evaluators import context, costs, timing
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.plan import Attention, Method, Offload, Optimizer, Plan, Precision
-from autofit.results import MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.results import MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.techniques import all_checkpointed, checkpointed_layers, dtype_layout, model_notes
 
@@ -1588,14 +1588,7 @@ class AnalyticEvaluator(Evaluator):
         try:
             est = estimate(plan, ctx)
         except CensusError as exc:  # a derived block PEFT or a fake kernel refuses under this plan
-            return TrialResult(
-                plan=plan,
-                status=Status.FAILED,
-                evaluator=self.name,
-                capacity_bytes=ctx.capacity_bytes,
-                reason=str(exc),
-                duration_s=time.perf_counter() - t0,
-            )
+            return self.failed(plan, ctx, str(exc), t0)
         margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
         status, reason = judge(est.memory, ctx)
         return TrialResult(

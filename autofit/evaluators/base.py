@@ -8,12 +8,13 @@ without torch.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from autofit.plan import Plan
-from autofit.results import TrialResult
+from autofit.results import Status, TrialResult
 from autofit.specs import Target
 
 
@@ -37,3 +38,14 @@ class Evaluator(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, plan: Plan, ctx: Target, on_step: StepCallback | None = None) -> TrialResult:
         """Evaluate ``plan``; never raise for a plan that does not fit or fails to run."""
+
+    def failed(self, plan: Plan, ctx: Target, reason: str, started: float) -> TrialResult:
+        """The result of a plan this evaluator could not evaluate (``started``: ``time.perf_counter()``)."""
+        return TrialResult(
+            plan=plan,
+            status=Status.FAILED,
+            evaluator=self.name,
+            capacity_bytes=ctx.capacity_bytes,
+            reason=reason,
+            duration_s=time.perf_counter() - started,
+        )

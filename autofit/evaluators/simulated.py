@@ -28,7 +28,7 @@ from autofit.evaluators.allocator import AllocatorConfig, Replay, replay
 from autofit.evaluators.base import Evaluator, StepCallback
 from autofit.evaluators.unroll import Depth
 from autofit.plan import Attention, Checkpointing, Method, Offload, Plan
-from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Status, Throughput, TrialResult, judge
+from autofit.results import TENSOR_COMPONENTS, MemoryAnatomy, Throughput, TrialResult, judge
 from autofit.specs import ModelSpec, Target, Workload
 from autofit.specs.gpus import GPUSpec
 from autofit.techniques import checkpointed_layers, model_notes
@@ -1127,14 +1127,7 @@ class SimulatedEvaluator(Evaluator):
             mem, phase = anatomy(trace, plan, ctx, alloc)
             tput = throughput(trace, plan, ctx)
         except Exception as exc:  # noqa: BLE001 - a plan that cannot be traced is a failed trial
-            return TrialResult(
-                plan=plan,
-                status=Status.FAILED,
-                evaluator=self.name,
-                capacity_bytes=ctx.capacity_bytes,
-                reason=_last_line(exc),
-                duration_s=time.perf_counter() - t0,
-            )
+            return self.failed(plan, ctx, _last_line(exc), t0)
         margin = costs.fit_margin(self.name, ctx.cluster.gpu.kind)
         status, reason = judge(mem, ctx)
         return TrialResult(

@@ -271,15 +271,10 @@ def test_the_analytic_answer_on_a_hybrid_stack(model_type):
         assert ana.extra["block"].startswith(f"{model_type} (") and "layers of 2 kinds" in ana.extra["block"]
 
 
-def test_a_block_the_census_cannot_trace_fails_that_plan_and_the_screen_goes_on(monkeypatch):
-    """A derived block transformers, PEFT or a fake kernel refuses under one plan (PEFT refused LoRA
-    on Falcon-H1's Mamba projections, and the screen crashed): that plan fails with the reason, and
-    the screen ranks the others."""
-    from autofit.evaluators.analytic import AnalyticEvaluator
-    from autofit.search.loop import screen
-    from autofit.search.space import SearchSpace
-
-    spec = tiny_derived("olmo2")
+@pytest.fixture
+def census_refuses_lora(monkeypatch):
+    """The census of any LoRA plan raises as PEFT does on a block it cannot adapt (Falcon-H1's Mamba
+    projections); no census is kept on disk or in the process before or after."""
     real = traced._run_census
 
     def refuse_lora(model, plan, *args):
@@ -288,42 +283,40 @@ def test_a_block_the_census_cannot_trace_fails_that_plan_and_the_screen_goes_on(
         return real(model, plan, *args)
 
     monkeypatch.setattr(traced, "_run_census", refuse_lora)
-    for fn in (traced._terms, traced.formulas_miss):
-        fn.cache_clear()
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", "off")
-    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
+    caches = (traced._terms, traced.formulas_miss)
+    for fn in caches:
+        fn.cache_clear()
+    yield
+    for fn in caches:
+        fn.cache_clear()
+
+
+def test_a_block_the_census_cannot_trace_fails_that_plan_and_the_screen_goes_on(census_refuses_lora):
+    """A derived block transformers, PEFT or a fake kernel refuses under one plan (PEFT refused LoRA
+    on Falcon-H1's Mamba projections, and the screen crashed): that plan fails with the reason, and
+    the screen ranks the others."""
+    from autofit.evaluators.analytic import AnalyticEvaluator
+    from autofit.search.loop import screen
+    from autofit.search.space import SearchSpace
+
+    ctx = Target(tiny_derived("olmo2"), parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
     lora = AnalyticEvaluator().evaluate(Plan(method="lora", lora_rank=8, micro_batch=2), ctx)
     assert lora.status.value == "failed" and lora.memory is None
     assert lora.reason.startswith("one olmo2 block cannot be traced under lora r8") and "second line" in lora.reason
     scored = [r for _, r in screen(SearchSpace(ctx))]
     assert scored[0].fits and scored[0].plan.method.value == "full"
     assert {r.status.value for r in scored if r.plan.is_peft} == {"failed"}
-    for fn in (traced._terms, traced.formulas_miss):
-        fn.cache_clear()
 
 
-def test_the_reports_toggles_skip_a_variant_the_census_cannot_trace(monkeypatch):
+def test_the_reports_toggles_skip_a_variant_the_census_cannot_trace(census_refuses_lora):
     """The report toggles one technique at a time; a toggle whose block cannot be traced (LoRA here)
     is skipped with the reason, the others are evaluated."""
     from autofit.report import analysis
 
-    spec = tiny_derived("olmo2")
-    real = traced._run_census
-
-    def refuse_lora(model, plan, *args):
-        if plan.is_peft:
-            raise ValueError("no LoRA on this block")
-        return real(model, plan, *args)
-
-    monkeypatch.setattr(traced, "_run_census", refuse_lora)
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", "off")
-    traced._terms.cache_clear()
-    ctx = Target(spec, parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
-    try:
-        effects = analysis.technique_effects(Plan(precision="bf16-mixed", micro_batch=2), ctx)
-        assert effects.toggles and all(t.result.memory is not None for t in effects.toggles)
-        assert any("no LoRA on this block" in problem for _, problems in effects.skipped for problem in problems)
-        failed = analysis.technique_effects(Plan(method="lora", lora_rank=8, micro_batch=2), ctx)
-        assert not failed.toggles and "no LoRA on this block" in failed.skipped[0][1][0]
-    finally:
-        traced._terms.cache_clear()
+    ctx = Target(tiny_derived("olmo2"), parse_cluster("1xA100"), Workload(seq_len=256, global_batch=2))
+    effects = analysis.technique_effects(Plan(precision="bf16-mixed", micro_batch=2), ctx)
+    assert effects.toggles and all(t.result.memory is not None for t in effects.toggles)
+    assert any("second line" in problem for _, problems in effects.skipped for problem in problems)
+    failed = analysis.technique_effects(Plan(method="lora", lora_rank=8, micro_batch=2), ctx)
+    assert not failed.toggles and "second line" in failed.skipped[0][1][0]
