@@ -50,6 +50,10 @@ class _Block:
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
+    # ... and per token per attended position, and the same of ``bwd_tok``: a traced mixer's
+    # transients, measured on its trace (``traced.block_transients``); 0 for the formulas' blocks
+    mlp_fwd_quad: float = 0.0
+    bwd_quad: float = 0.0
     held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
@@ -620,6 +624,17 @@ def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabil
         attn_bwd_quad=a * (8 + (0.5 if c != 4 else 0)) if eager else 0.0,
         mlp_fwd_tok=h * r + 2 * h * c + inter * c,
     )
+    if model.mixer:  # no formula sizes a Mamba or delta-rule mixer's transients: measured on its trace
+        fwd_tok, fwd_quad, bwd_tok, bwd_quad = traced.block_transients(model, plan, cpu, capability)
+        return replace(
+            blk,
+            bwd_tok=bwd_tok,
+            bwd_quad=bwd_quad,
+            mlp_fwd_tok=fwd_tok,
+            mlp_fwd_quad=fwd_quad,
+            fwd_quad=0.0,
+            attn_bwd_quad=0.0,
+        )
     if model.family.moe:  # the experts' transients (``_moe_transients``), at the routed experts' sizes
         moe = _formula_block(model, plan, masked, cpu, capability)
         blk = replace(blk, bwd_tok=moe.bwd_tok, mlp_fwd_tok=moe.mlp_fwd_tok)
@@ -877,6 +892,7 @@ class _Activations:
     logits_bwd: float
     mask: float  # the attention mask
     fwd_temp: float  # transients of a block's forward
+    mlp_fwd: float  # ... of its MLP's forward (or recompute)
     bwd_temp: float  # ... of its MLP's backward
     attn_bwd_temp: float  # ... of its softmax backward
 
@@ -925,7 +941,7 @@ def _activations(
         offloaded, saved_blocks = saved_blocks - everyone, everyone
     logits_fwd, logits_bwd = logits_bytes(model, plan, t_mem)
     mask = (t_mem * s * (c if plan.attention is Attention.EAGER else 1)) if masked else 0.0
-    bwd_temp = t_mem * blk.bwd_tok
+    bwd_temp = t_mem * (blk.bwd_tok + s * blk.bwd_quad)
     if blk.bwd_rise:  # a compiled block's backward runs as one graph
         bwd_temp = max(bwd_temp, max(c + t_mem * (t + s * q) for c, t, q in blk.bwd_rise))
     attn_bwd_temp = t_mem * s * blk.attn_bwd_quad
@@ -957,6 +973,7 @@ def _activations(
         logits_bwd=logits_bwd,
         mask=mask,
         fwd_temp=fwd_temp,
+        mlp_fwd=t_mem * (blk.mlp_fwd_tok + s * blk.mlp_fwd_quad),
         bwd_temp=bwd_temp,
         attn_bwd_temp=attn_bwd_temp,
     )
@@ -1094,7 +1111,7 @@ def _moments(
     }
     if act.recompute:
         recomputed = act.saved - act.head - act.trailing + act.recompute
-        moments.update(_recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, recomputed))
+        moments.update(_recompute_moments(model, plan, act, blk, t_mem, moments, persistent_tmp, recomputed))
     if plan.optimizer_in_backward:  # each gradient is freed by its own step (runtime.BackwardOptimizer)
         largest = _largest_grad(model, plan, ms.sb)
         for m in moments.values():
@@ -1121,9 +1138,7 @@ def _forward_moments(act, ms, blk, t_mem, states, persistent_tmp) -> dict[str, d
     st = ms.st
     in_forward = act.saved - act.head
     mlp_half = 0.0 if act.recompute and not act.trailing else t_mem * blk.mlp_tok  # the last block checkpointed
-    fwd_acts, fwd_tmp = max(
-        (in_forward - mlp_half, act.fwd_temp), (in_forward, t_mem * blk.mlp_fwd_tok), key=lambda m: m[0] + m[1]
-    )
+    fwd_acts, fwd_tmp = max((in_forward - mlp_half, act.fwd_temp), (in_forward, act.mlp_fwd), key=lambda m: m[0] + m[1])
     return {
         "forward": {
             **states,
@@ -1226,11 +1241,11 @@ def _step_end_moments(ms, persistent_tmp) -> dict[str, dict[str, float]]:
     }
 
 
-def _recompute_moments(model, plan, blk, t_mem, moments, persistent_tmp, in_blocks) -> dict[str, dict[str, float]]:
+def _recompute_moments(model, plan, act, blk, t_mem, moments, persistent_tmp, in_blocks) -> dict[str, dict[str, float]]:
     """A block being recomputed in backward, in the middle of its MLP: what it saves so far
     plus the MLP's forward transients (counted as activations: they are recomputed); the last
     checkpointed block's (``in_blocks``: what is saved then), and with full checkpointing the first's."""
-    mlp_fwd = t_mem * (blk.mlp_fwd_tok - blk.recompute_cut)
+    mlp_fwd = act.mlp_fwd - t_mem * blk.recompute_cut
     incoming = 2 * t_mem * model.hidden_size * dtype_layout(plan).compute_bytes  # the gradient arriving
     last = {
         "block-recompute": {

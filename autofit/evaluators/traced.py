@@ -194,6 +194,22 @@ def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int,
     return _sum(_split(n) for n in _census(_one_layer(model), plan, PRIME, cpu, capability).storages)
 
 
+def block_transients(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, ...]:
+    """What one block holds beyond its saves while it runs, measured on its trace where no formula
+    sizes it (a token mixer that is not softmax attention: ``ModelSpec.mixer``), as ``(forward per
+    token, forward per token per attended position, backward per token, backward per token per
+    attended position)``; see :class:`_Transients`."""
+    return _transients(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
+
+
+@functools.lru_cache(maxsize=256)
+@census_cache.on_disk(list, tuple)
+def _transients(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, ...]:
+    one = _one_layer(model)
+    fwd, bwd = zip(*(_census(one, plan, s, cpu, capability, transients=True).transients for s in LENGTHS))
+    return (*_per_token(*fwd), *_per_token(*bwd))
+
+
 def _node_terms(node) -> Terms:
     import torch
     from torch.utils._pytree import tree_leaves
@@ -277,27 +293,93 @@ def formulas_miss(model: ModelSpec) -> str:
 
 def _one_layer(model: ModelSpec) -> ModelSpec:
     """The model cut after the first layer of the kind ``model`` describes: its first layer only,
-    or for a kind of a hybrid stack (``ModelSpec.layer_kinds``) the layers up to its first one (per-layer
-    lists cut to match, as ``unroll.traced_spec``). The census counts its last layer's saves."""
-    n = model.first_layer + 1
-    extra = tuple((k, v[:n] if k == "layer_types" and isinstance(v, tuple) else v) for k, v in model.hf_extra)
-    return dataclasses.replace(model, num_layers=n, n_params=0, hf_extra=extra)
+    or for a kind of a hybrid stack (``ModelSpec.layer_kinds``) the layers up to its first one
+    (``unroll.cut``). The census counts its last layer's saves."""
+    from autofit.evaluators import unroll
+
+    return unroll.cut(model, model.first_layer + 1)
 
 
 @dataclasses.dataclass
 class _Census:
     storages: list[int]  # the bytes of each distinct storage the first block saves for backward
     graphs: dict  # a compiled block's partitioned graphs (``CompiledBlocks.graphs``)
+    transients: tuple[float, float] = (0.0, 0.0)  # forward and backward (:class:`_Transients`)
+
+
+class _Transients:
+    """The block's own moments in a census trace, from the tracker's log (``memtrack``): between
+    the block's forward hooks, the most it holds above its start, its saves and autocast's weight
+    copies left out (the analytic evaluator counts those as activations and weights); between the
+    gradient arriving at its output and the one leaving its input, the most it holds above the
+    start plus the arriving gradient, with the saves it frees as it goes and the parameters'
+    gradients left out (counted as gradients). So the moment of a block's backward is all its
+    saves plus this, as the analytic evaluator adds them. The block's input is made to need a
+    gradient where it does not (the first block of a LoRA model), as every later block's does."""
+
+    def __init__(self, block, tracer) -> None:
+        self.tracer, self.saved, self.marks, self.incoming = tracer, set(), {}, 0
+        self.hooks = [
+            block.register_forward_pre_hook(self._enter, with_kwargs=True),
+            block.register_forward_hook(self._leave),
+        ]
+
+    def _enter(self, module, args, kwargs):
+        self.marks["forward"] = len(self.tracer.log)
+        x = args[0] if args else kwargs["hidden_states"]
+        if not x.requires_grad:
+            x = x.detach().requires_grad_()
+        x.register_hook(lambda g: self.marks.__setitem__("backward-end", len(self.tracer.log)))
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def _leave(self, module, args, out) -> None:
+        self.marks["forward-end"] = len(self.tracer.log)
+        (out[0] if isinstance(out, tuple) else out).register_hook(self._arrives)
+
+    def _arrives(self, grad) -> None:
+        from autofit.evaluators.memtrack import round_block
+
+        self.marks["backward"] = len(self.tracer.log)
+        self.incoming = round_block(grad.untyped_storage().nbytes())
+
+    def save(self, t) -> None:
+        key = self.tracer._key_of(t, create=False)
+        if key is not None:
+            self.saved.add(key)
+
+    def measure(self, net) -> tuple[float, float]:
+        for h in self.hooks:
+            h.remove()
+        weights = self.tracer.weight_keys
+        grads = {self.tracer._key_of(p.grad, create=False) for p in net.parameters() if p.grad is not None}
+        fwd = self._rise(self.marks["forward"], self.marks["forward-end"], weights | self.saved)
+        bwd = self._rise(self.marks["backward"], self.marks["backward-end"], weights | grads)
+        return float(fwd), float(self.incoming + bwd)
+
+    def _rise(self, start: int, end: int, skip: set) -> int:
+        live = most = 0
+        for key, delta in self.tracer.log[start:end]:
+            if key not in skip:
+                live += delta
+                most = max(most, live)
+        return most
 
 
 def _census(
-    model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool = False
+    model: ModelSpec,
+    plan: Plan,
+    seq: int,
+    cpu: bool,
+    capability: tuple[int, int],
+    backward: bool = False,
+    transients: bool = False,
 ) -> _Census:
     """What the last block saves for backward in one fake forward; for a ``torch_compile`` plan
-    its partitioned graphs (the backward's once ``backward`` runs the step's backward). A model
-    that cannot be built or run under the plan raises :class:`~autofit.errors.CensusError`."""
+    its partitioned graphs (the backward's once ``backward`` runs the step's backward); with
+    ``transients``, forward and backward, what the block holds beyond its saves (:class:`_Transients`).
+    A model that cannot be built or run under the plan raises :class:`~autofit.errors.CensusError`."""
     try:
-        return _run_census(model, plan, seq, cpu, capability, backward)
+        return _run_census(model, plan, seq, cpu, capability, backward, transients)
     except CensusError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers, PEFT or a fake kernel refusing the plan
@@ -308,7 +390,7 @@ def _census(
 
 
 def _run_census(
-    model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool
+    model: ModelSpec, plan: Plan, seq: int, cpu: bool, capability: tuple[int, int], backward: bool, transients: bool
 ) -> _Census:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -323,6 +405,11 @@ def _run_census(
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
     block = unroll.decoder_layers(net, model.family.decoder_layer)[-1]
+    full = model.derived and not plan.is_peft and not plan.quantized  # (adapters and 4-bit weights count otherwise)
+    if full and sum(p.numel() for p in block.parameters()) != model.layer_params():
+        raise CensusError(
+            f"the {model.model_type} stack cut after layer {model.first_layer} does not end in that layer"
+        )
     stand_in = compiled.CompiledBlocks([block]) if plan.torch_compile else None
     own = {_key(t) for t in rt.state_tensors(net)}
     inside, seen = [False], {}
@@ -330,6 +417,8 @@ def _run_census(
     def pack(t):
         if inside[0] and _key(t) not in own:
             seen[_key(t)] = t.untyped_storage().nbytes()
+            if probe is not None:
+                probe.save(t)
         return t
 
     hooks = [
@@ -339,6 +428,8 @@ def _run_census(
     kind = "cpu" if cpu else "cuda"
     decompositions = {**rt.bnb_decompositions(kind), **moe.fake_decompositions()}
     tracer = simulated.tracer_class()(last_step=0, attn_flop_scale=1.0, decompositions=decompositions)
+    probe = _Transients(block, tracer) if transients else None
+    tracer.track(rt.state_tensors(net), "weights")  # and autocast's copies of them (memtrack)
     autocast = rt.layout(plan).autocast_dtype
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulated._value_decisions())
@@ -351,11 +442,15 @@ def _run_census(
             stack.enter_context(simulated.cuda_kernels_mode()(capability))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         out = net(**fake_batch, use_cache=False)
-        if backward:
+        if backward or transients:
             out.logits.float().sum().backward()
     for h in hooks:
         h.remove()
-    return _Census(storages=list(seen.values()), graphs=stand_in.graphs if stand_in is not None else {})
+    return _Census(
+        storages=list(seen.values()),
+        graphs=stand_in.graphs if stand_in is not None else {},
+        transients=probe.measure(net) if probe is not None else (0.0, 0.0),
+    )
 
 
 def _key(t) -> int:

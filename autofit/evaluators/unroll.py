@@ -130,15 +130,24 @@ def depth_for(num_layers: int, layer_types: Sequence[Any] | None, every: int = 1
 
 
 def traced_spec(spec, depth: Depth):
-    """The same architecture with ``depth.traced`` layers (``layer_types`` and a hybrid stack's
-    kinds cut to match)."""
+    """The same architecture with ``depth.traced`` layers (see :func:`cut`)."""
+    return cut(spec, depth.traced)
+
+
+# config keys that give each decoder layer's type, one entry (or letter) per layer: cut with the
+# stack. Nemotron-H's config takes its depth from its pattern's length, whatever num_hidden_layers says
+PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
+
+
+def cut(spec, layers: int):
+    """The same architecture cut after ``layers`` layers: its per-layer config keys
+    (:data:`PER_LAYER_KEYS`) and a hybrid stack's kinds cut to match."""
     extra = dict(spec.hf_extra)
-    if isinstance(extra.get("layer_types"), (list, tuple)):
-        extra["layer_types"] = tuple(extra["layer_types"][: depth.traced])
-    derived = tuple((k, v[: depth.traced] if k == "stack" else v) for k, v in spec.derived)
-    return dataclasses.replace(
-        spec, num_layers=depth.traced, n_params=0, hf_extra=tuple(extra.items()), derived=derived
-    )
+    for key in PER_LAYER_KEYS:
+        if isinstance(extra.get(key), (list, tuple, str)):
+            extra[key] = extra[key][:layers] if isinstance(extra[key], str) else tuple(extra[key][:layers])
+    derived = tuple((k, v[:layers] if k == "stack" else v) for k, v in spec.derived)
+    return dataclasses.replace(spec, num_layers=layers, n_params=0, hf_extra=tuple(extra.items()), derived=derived)
 
 
 def decoder_layers(model, class_name: str) -> list:

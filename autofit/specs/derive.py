@@ -23,6 +23,7 @@ Imports torch and transformers lazily, as ``ModelSpec.to_hf_config`` imports tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Mapping
@@ -81,6 +82,9 @@ class Block:
     # expert width, and its shared expert's width (``"shared_width"``; 0: none); {} for a dense MLP
     experts: Mapping[str, int] = field(default_factory=dict)
     first_layer: int = 0  # the index of the first layer of this kind
+    # a token mixer that is not softmax attention, beside it or instead of it (:func:`_mixers`):
+    # what it is, and its class ("" for none)
+    mixer: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,9 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
 
     A stack of layers of several kinds (DeepSeek-V3's and GLM-4.5's dense layers before their MoE
     layers) is read kind by kind, each from a model of its own (a fake forward swaps a model's
-    tensors); one that mixes in linear attention is refused (:func:`_softmax_attention`)."""
+    tensors). A kind whose tokens are mixed by something other than softmax attention (Jamba's
+    Mamba layers, Qwen3-Next's gated delta rule: :func:`_mixers`) is read as any other, and marked
+    for the analytic evaluator to trace; a stack with no attention in any layer is refused."""
     _router_loss(cfg)
     model = _build(cfg)
     layers = _decoder_layers(model, cfg)
@@ -178,7 +184,6 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     firsts = [stack.index(kind) for kind in range(max(stack) + 1)]
     if all(_child(layers[i], "attention", ("attention", "attn"))[1] is None for i in firsts):
         _attention(cfg, layers[0])  # no attention in any layer (Mamba, RWKV): not a transformer decoder
-    _softmax_attention(cfg, layers, firsts)
     # PEFT remaps a LoRA target by its name in every layer (a dense layer's ``mlp.gate_proj`` too):
     # where any kind routes experts, those names are frozen in every kind
     moe = any(_experts(cfg, layers[i]) for i in firsts)
@@ -197,18 +202,53 @@ def _block(
     cfg: Any, keys: Mapping[str, str], model, block, final_norm: bool, first: int, remapped: frozenset[str]
 ) -> Block:
     """One kind of layer, read from ``block`` (its first layer) in ``model``; ``remapped``: the Linear
-    names PEFT does not adapt as Linears (:func:`_peft_remaps`)."""
+    names PEFT does not adapt as Linears (:func:`_peft_remaps`). A kind with no attention child
+    (Jamba's Mamba layers, Nemotron-H's MLP layers) takes its token mixer, if any, in attention's place."""
     experts = _experts(cfg, block)
-    attn = _attention(cfg, block)
+    mixers = _mixers(block)
+    attn = _child(block, "attention", ("attention", "attn"))
+    if attn[1] is None and mixers:
+        attn = (mixers[0], getattr(block, mixers[0]))
     # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
     mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
-    lin = _linears(block, attn, remapped)
+    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixers) if n), remapped)
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
     fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final_norm, probes, experts)
+    mixer = _mixer_text(block, mixers)
+    if mixer:  # its saves and transients come from a trace of it (evaluators/traced.py)
+        why = "; ".join(x for x in (f"it mixes tokens with {mixer}", why) if x)
     params = sum(p.numel() for p in block.parameters())
     moe = experts.config if experts else {}
-    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first)
+    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer)
+
+
+# class-name words of transformers' token mixers that are not softmax attention: Mamba and Mamba-2
+# (Jamba, Falcon-H1, Nemotron-H, Bamba, Zamba), the gated delta rule (Qwen3-Next), MiniMax's
+# lightning attention, LFM2's short convolution
+MIXER_WORDS = ("mamba", "mixer", "deltanet", "lightning", "linearattention", "shortconv")
+
+
+def _mixers(block) -> tuple[str, ...]:
+    """The block's direct children that mix tokens otherwise than softmax attention: by class name
+    (:data:`MIXER_WORDS`), or holding a causal ``nn.Conv1d`` (every state-space, delta-rule and
+    short-convolution mixer in transformers has one; no attention does)."""
+    import torch
+
+    def mixes(m) -> bool:
+        name = type(m).__name__.lower()
+        return any(w in name for w in MIXER_WORDS) or any(isinstance(x, torch.nn.Conv1d) for x in m.modules())
+
+    return tuple(n for n, m in block.named_children() if mixes(m))
+
+
+def _mixer_text(block, mixers: tuple[str, ...]) -> str:
+    """What the block's mixers are, for the answer ("" for a block with none)."""
+    if not mixers:
+        return ""
+    return (
+        f"a token mixer that is not softmax attention ({', '.join(type(getattr(block, n)).__name__ for n in mixers)})"
+    )
 
 
 @contextlib.contextmanager
@@ -252,23 +292,6 @@ def _decoder_layers(model, cfg: Any) -> list:
     return list(lists[0])
 
 
-def _softmax_attention(cfg: Any, layers: list, firsts: list[int]) -> None:
-    """Refuse a stack with layers of another mixer than softmax attention, instead of it or beside
-    it (``layer_types`` says so: Qwen3-Next's and MiniMax's ``linear_attention``, Jamba's Mamba
-    layers, LFM2's ``conv``, Falcon-H1's ``hybrid`` Mamba-beside-attention): their chunked
-    recurrences and scans hold transients the analytic block, taken at a softmax-attention block's
-    sizes, does not bound (tiny Qwen3-Next: its peak 16% under the simulated trace), and PEFT
-    refuses LoRA on a Mamba mixer's projections."""
-    types = getattr(cfg, "layer_types", None) or ()
-    other = sorted({t for t in types if isinstance(t, str) and ("attention" not in t or t == "linear_attention")})
-    if other:
-        classes = sorted({type(layers[i]).__name__ for i in firsts})
-        raise SpecError(
-            f"{cfg.model_type} has {', '.join(other)} layers ({', '.join(classes)}): autofit bounds the memory of "
-            "softmax-attention blocks, and models no linear-attention, convolution or state-space mixer yet"
-        )
-
-
 def _stack(layers: list) -> tuple[int, ...]:
     """Each layer's kind, numbered in the order of first appearance: layers are of one kind when
     they are of one class with the same parameters (names and shapes). Layers that differ only in
@@ -293,11 +316,13 @@ def _attention(cfg: Any, block):
 
 
 def _child(block, cls_word: str, names: tuple[str, ...]):
-    """The block's direct child for attention or the MLP: by class name, else by attribute name."""
-    for name, child in block.named_children():
+    """The block's direct child for attention or the MLP: by class name, else by attribute name
+    (never a norm: GraniteMoeHybrid's Mamba layers have a ``post_attention_layernorm``)."""
+    children = [(n, c) for n, c in block.named_children() if "norm" not in type(c).__name__.lower()]
+    for name, child in children:
         if cls_word.lower() in type(child).__name__.lower():
             return name, child
-    for name, child in block.named_children():
+    for name, child in children:
         if any(w in name.replace("_", "").lower() for w in names):
             return name, child
     return None, None
@@ -317,12 +342,16 @@ def _peft_remaps(model_type: str) -> frozenset[str]:
     return frozenset(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(base, {}))
 
 
-def _linears(block, attn, remapped: frozenset[str]) -> list[tuple[str, int, int, str, bool]]:
+def _linears(
+    cfg: Any, block, mixing: tuple[str, ...], remapped: frozenset[str]
+) -> list[tuple[str, int, int, str, bool]]:
     """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order.
     A router is none, though PhiMoE's subclasses ``nn.Linear``: it returns a tuple, which a PEFT
     wrapper breaks, and transformers' ``replace_with_bnb_linear`` leaves subclasses unquantized.
-    ``part``: ``attention``, ``mlp``, or ``frozen`` for a Linear LoRA cannot target by name
-    (``remapped``: PEFT adapts the routed experts instead, :func:`_peft_remaps`)."""
+    ``part``: ``attention`` for those of the children that mix tokens (``mixing``: attention, and a
+    Mamba or delta-rule mixer beside or instead of it), ``mlp``, or ``frozen`` for a Linear LoRA
+    cannot target by name (``remapped``: PEFT adapts the routed experts instead, :func:`_peft_remaps`;
+    and what PEFT refuses to adapt in a Mamba model, :func:`_peft_refuses`)."""
     import torch
 
     out = []
@@ -333,11 +362,31 @@ def _linears(block, attn, remapped: frozenset[str]) -> list[tuple[str, int, int,
             i, o = m.weight.shape
         else:
             continue
-        part = "attention" if attn[0] and (name == attn[0] or name.startswith(attn[0] + ".")) else "mlp"
-        if part == "mlp" and name.rsplit(".", 1)[-1] in remapped:
+        part = "attention" if any(name == n or name.startswith(n + ".") for n in mixing) else "mlp"
+        short = name.rsplit(".", 1)[-1]
+        if (part == "mlp" and short in remapped) or _peft_refuses(cfg.model_type, short):
             part = "frozen"
         out.append((name, int(i), int(o), part, getattr(m, "bias", None) is not None))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _peft_refuses(model_type: str, name: str) -> bool:
+    """Whether PEFT refuses LoRA on a module of this name in a model of this type: it does on a Mamba
+    mixer's ``out_proj`` (``peft.tuners.tuners_utils._check_lora_target_modules_mamba``, which is asked
+    here rather than copied)."""
+    from types import SimpleNamespace
+
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:  # pragma: no cover - another peft: nothing known refused
+        return False
+    try:
+        check(LoraConfig(), SimpleNamespace(config=SimpleNamespace(model_type=model_type)), name)
+    except ValueError:
+        return True
+    return False
 
 
 def _router_loss(cfg: Any) -> None:

@@ -600,6 +600,13 @@ class ModelSpec:
         return str(dict(self.derived).get("analytic", "")) if self.derived else ""
 
     @property
+    def mixer(self) -> str:
+        """A derived block's token mixer that is not softmax attention, beside or instead of it (a
+        Mamba, gated-delta-rule or short-convolution mixer: ``specs/derive.py``), "" for none. The
+        analytic evaluator traces such a block, its transients too (``evaluators/traced.py``)."""
+        return str(self._counted("mixer") or "")
+
+    @property
     def derivation(self) -> str:
         """What an answer on a model type no family describes says of it ("" for a registered family)."""
         if not self.derived:
@@ -1252,7 +1259,8 @@ def _kind_derived(
     params = (built.embedding_params, block.layer_params, built.head_params)
     counts = (("linears", block.linears), ("params", params))
     gap = block.analytic or _formula_gap(dataclasses.replace(formula, n_params=0, derived=own), params, block.linears)
-    return own + counts + (("analytic", gap), ("first_layer", block.first_layer))
+    mixer = (("mixer", block.mixer),) if block.mixer else ()  # (kept out where none: fingerprints stay)
+    return own + counts + (("analytic", gap),) + mixer + (("first_layer", block.first_layer),)
 
 
 def _formula_gap(formula: ModelSpec, want: tuple[int, int, int], linears: tuple) -> str:
