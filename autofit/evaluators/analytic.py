@@ -625,13 +625,13 @@ def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capabil
         mlp_fwd_tok=h * r + 2 * h * c + inter * c,
     )
     if model.mixer:  # no formula sizes a Mamba or delta-rule mixer's transients: measured on its trace
-        fwd_tok, fwd_quad, bwd_tok, bwd_quad = traced.block_transients(model, plan, cpu, capability)
+        work = traced.mixer_work(model, plan, cpu, capability)
         return replace(
             blk,
-            bwd_tok=bwd_tok,
-            bwd_quad=bwd_quad,
-            mlp_fwd_tok=fwd_tok,
-            mlp_fwd_quad=fwd_quad,
+            bwd_tok=work.bwd_tok,
+            bwd_quad=work.bwd_quad,
+            mlp_fwd_tok=work.fwd_tok,
+            mlp_fwd_quad=work.fwd_quad,
             fwd_quad=0.0,
             attn_bwd_quad=0.0,
         )
@@ -1372,7 +1372,7 @@ def step_work(
     n_adapted = sum(g[3] for g in adapters) / 2 / L  # adapted Linears a block (a hybrid stack's mean)
     causal = model.family.task == "causal-lm"
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
-    attn_fwd = 4 * T * attended * model.q_dim * L
+    attn_fwd = 4 * T * attended * model.q_dim * model.attending_layers
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
     recomputed, attn_recompute = _recomputed(plan, ctx, (*block, *adapters), rc, attn_fwd)
 
@@ -1380,6 +1380,7 @@ def step_work(
     q_fwd, q_bwd, q_k_fwd, q_k_bwd = _quantized_work(model, plan, T, cluster.gpu.kind == "cpu")
     fwd_bytes, bwd_bytes, casts = _block_traffic(plan, ctx, T, keys, block_bytes)
     k_fwd, k_bwd = _block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd)
+    k_fwd, k_bwd = _mixer_kernels(plan, ctx, k_fwd, k_bwd)
     if plan.torch_compile:  # the compiled block's fused kernels and library calls (traced.compiled_work)
         work = _compiled(plan, ctx)
         k_fwd, k_bwd = work.fwd_kernels, work.bwd_kernels
@@ -1473,6 +1474,30 @@ def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: float, q_fwd: float,
         k_fwd, k_bwd = k_fwd - KERNELS_FUSED_FWD, k_bwd - KERNELS_FUSED_BWD
     moe = sum(n for n, k in model.layer_kinds() if k.family.moe) / model.num_layers  # the share of MoE blocks
     return k_fwd + moe * KERNELS_MOE_FWD, k_bwd + moe * KERNELS_MOE_BWD
+
+
+def _mixer_kernels(plan: Plan, ctx: Target, k_fwd: float, k_bwd: float) -> tuple[float, float]:
+    """The mean kernels of a block, forward and backward, where some kinds of layer mix tokens with
+    a mixer no count describes (``ModelSpec.mixer``): those kinds' own, counted on their trace
+    (``traced.mixer_work``: a Mamba mixer's torch path launches kernels per token), the others'
+    ``k_fwd`` and ``k_bwd``."""
+    model, gpu = ctx.model, ctx.cluster.gpu
+    kinds = model.layer_kinds()
+    if not any(k.mixer for _, k in kinds):
+        return k_fwd, k_bwd
+    from autofit.evaluators import traced
+
+    seq = ctx.workload.seq_len // max(1, plan.context_parallel)
+    fwd = bwd = 0.0
+    for n, k in kinds:
+        if k.mixer:
+            f, b = traced.mixer_work(k, plan, gpu.kind == "cpu", gpu.compute_capability).kernels(seq)
+            if plan.fused_kernels:
+                f, b = f - KERNELS_FUSED_FWD, b - KERNELS_FUSED_BWD
+        else:
+            f, b = k_fwd, k_bwd
+        fwd, bwd = fwd + n * f, bwd + n * b
+    return fwd / model.num_layers, bwd / model.num_layers
 
 
 def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, float, float]:

@@ -155,17 +155,17 @@ def _compiled_key(plan: Plan) -> Plan:
     return key.replace(attention=Attention.SDPA, packing=False) if key.attention is Attention.FLASH2 else key
 
 
-def _work_from(data: dict) -> CompiledWork:
-    """A :class:`CompiledWork` back from its JSON form (lists to tuples)."""
+def _from_json(cls):
+    """The decoder of a dataclass from its JSON form (lists back to tuples), for ``census_cache``."""
 
     def tup(x):
         return tuple(tup(v) for v in x) if isinstance(x, list) else x
 
-    return CompiledWork(**{k: tup(v) for k, v in data.items()})
+    return lambda data: cls(**{k: tup(v) for k, v in data.items()})
 
 
 @functools.lru_cache(maxsize=256)
-@census_cache.on_disk(dataclasses.asdict, _work_from)
+@census_cache.on_disk(dataclasses.asdict, _from_json(CompiledWork))
 def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
     from autofit.evaluators import compiled
 
@@ -194,20 +194,44 @@ def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int,
     return _sum(_split(n) for n in _census(_one_layer(model), plan, PRIME, cpu, capability).storages)
 
 
-def block_transients(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, ...]:
-    """What one block holds beyond its saves while it runs, measured on its trace where no formula
-    sizes it (a token mixer that is not softmax attention: ``ModelSpec.mixer``), as ``(forward per
-    token, forward per token per attended position, backward per token, backward per token per
-    attended position)``; see :class:`_Transients`."""
-    return _transients(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
+@dataclasses.dataclass(frozen=True)
+class MixerWork:
+    """What one block holds beyond its saves while it runs, and the kernels it issues, measured on
+    its trace where no formula gives them (a token mixer that is not softmax attention:
+    ``ModelSpec.mixer``): bytes per token and per token per attended position, forward and
+    backward (:class:`_Transients`); kernels per micro-batch and per token of a sequence, each
+    way (a Mamba mixer's torch path loops over the sequence, a launch or more a token)."""
+
+    fwd_tok: float
+    fwd_quad: float
+    bwd_tok: float
+    bwd_quad: float
+    fwd_kernels: tuple[float, float]
+    bwd_kernels: tuple[float, float]
+
+    def kernels(self, seq: float) -> tuple[float, float]:
+        """Forward and backward kernels of one block for a micro-batch of sequences of ``seq`` tokens."""
+        return tuple(a + b * seq for a, b in (self.fwd_kernels, self.bwd_kernels))
+
+
+def mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:
+    """A mixer block's :class:`MixerWork` from one census at each of ``LENGTHS``, forward and backward."""
+    return _mixer_work(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
 
 
 @functools.lru_cache(maxsize=256)
-@census_cache.on_disk(list, tuple)
-def _transients(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, ...]:
+@census_cache.on_disk(dataclasses.asdict, _from_json(MixerWork))
+def _mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:
     one = _one_layer(model)
-    fwd, bwd = zip(*(_census(one, plan, s, cpu, capability, transients=True).transients for s in LENGTHS))
-    return (*_per_token(*fwd), *_per_token(*bwd))
+    fwd, bwd, kf, kb = zip(*(_census(one, plan, s, cpu, capability, transients=True).transients for s in LENGTHS))
+    return MixerWork(*_per_token(*fwd), *_per_token(*bwd), _line(*kf), _line(*kb))
+
+
+def _line(k1: float, k2: float) -> tuple[float, float]:
+    """``(constant, per token)`` through two counts at ``LENGTHS``."""
+    s1, s2 = LENGTHS
+    per = (k2 - k1) / (s2 - s1)
+    return k1 - per * s1, per
 
 
 def _node_terms(node) -> Terms:
@@ -304,7 +328,7 @@ def _one_layer(model: ModelSpec) -> ModelSpec:
 class _Census:
     storages: list[int]  # the bytes of each distinct storage the first block saves for backward
     graphs: dict  # a compiled block's partitioned graphs (``CompiledBlocks.graphs``)
-    transients: tuple[float, float] = (0.0, 0.0)  # forward and backward (:class:`_Transients`)
+    transients: tuple[float, ...] = ()  # forward and backward bytes and kernels (:class:`_Transients`)
 
 
 class _Transients:
@@ -319,27 +343,32 @@ class _Transients:
 
     def __init__(self, block, tracer) -> None:
         self.tracer, self.saved, self.marks, self.incoming = tracer, set(), {}, 0
+        self.ops: dict[str, int] = {}  # the tracer's op rows at each mark: the kernels between
         self.hooks = [
             block.register_forward_pre_hook(self._enter, with_kwargs=True),
             block.register_forward_hook(self._leave),
         ]
 
+    def _mark(self, name: str) -> None:
+        self.marks[name] = len(self.tracer.log)
+        self.ops[name] = len(self.tracer.ops.rows.get(name.removesuffix("-end"), ()))
+
     def _enter(self, module, args, kwargs):
-        self.marks["forward"] = len(self.tracer.log)
+        self._mark("forward")
         x = args[0] if args else kwargs["hidden_states"]
         if not x.requires_grad:
             x = x.detach().requires_grad_()
-        x.register_hook(lambda g: self.marks.__setitem__("backward-end", len(self.tracer.log)))
+        x.register_hook(lambda g: self._mark("backward-end"))
         return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
     def _leave(self, module, args, out) -> None:
-        self.marks["forward-end"] = len(self.tracer.log)
+        self._mark("forward-end")
         (out[0] if isinstance(out, tuple) else out).register_hook(self._arrives)
 
     def _arrives(self, grad) -> None:
         from autofit.evaluators.memtrack import round_block
 
-        self.marks["backward"] = len(self.tracer.log)
+        self._mark("backward")
         self.incoming = round_block(grad.untyped_storage().nbytes())
 
     def save(self, t) -> None:
@@ -347,14 +376,16 @@ class _Transients:
         if key is not None:
             self.saved.add(key)
 
-    def measure(self, net) -> tuple[float, float]:
+    def measure(self, net) -> tuple[float, float, float, float]:
+        """Forward and backward bytes (above), and the kernels the block issued each way."""
         for h in self.hooks:
             h.remove()
         weights = self.tracer.weight_keys
         grads = {self.tracer._key_of(p.grad, create=False) for p in net.parameters() if p.grad is not None}
         fwd = self._rise(self.marks["forward"], self.marks["forward-end"], weights | self.saved)
         bwd = self._rise(self.marks["backward"], self.marks["backward-end"], weights | grads)
-        return float(fwd), float(self.incoming + bwd)
+        kernels = [self.ops[f"{p}-end"] - self.ops[p] for p in ("forward", "backward")]
+        return float(fwd), float(self.incoming + bwd), float(kernels[0]), float(kernels[1])
 
     def _rise(self, start: int, end: int, skip: set) -> int:
         live = most = 0
@@ -441,15 +472,18 @@ def _run_census(
         if not cpu:
             stack.enter_context(simulated.cuda_kernels_mode()(capability))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        out = net(**fake_batch, use_cache=False)
+        # (phases: the tracer prices each op in them, as the simulator's step: _Transients' kernels)
+        with tracer.in_phase("forward") if transients else contextlib.nullcontext():
+            out = net(**fake_batch, use_cache=False)
         if backward or transients:
-            out.logits.float().sum().backward()
+            with tracer.in_phase("backward") if transients else contextlib.nullcontext():
+                out.logits.float().sum().backward()
     for h in hooks:
         h.remove()
     return _Census(
         storages=list(seen.values()),
         graphs=stand_in.graphs if stand_in is not None else {},
-        transients=probe.measure(net) if probe is not None else (0.0, 0.0),
+        transients=probe.measure(net) if probe is not None else (),
     )
 
 

@@ -85,6 +85,7 @@ class Block:
     # a token mixer that is not softmax attention, beside it or instead of it (:func:`_mixers`):
     # what it is, and its class ("" for none)
     mixer: str = ""
+    attends: bool = True  # whether it has a softmax attention (Jamba's Mamba layers, Nemotron-H's MLP layers: not)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,7 @@ def _block(
     experts = _experts(cfg, block)
     mixers = _mixers(block)
     attn = _child(block, "attention", ("attention", "attn"))
+    attends = attn[1] is not None and attn[0] not in mixers
     if attn[1] is None and mixers:
         attn = (mixers[0], getattr(block, mixers[0]))
     # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
@@ -220,7 +222,7 @@ def _block(
         why = "; ".join(x for x in (f"it mixes tokens with {mixer}", why) if x)
     params = sum(p.numel() for p in block.parameters())
     moe = experts.config if experts else {}
-    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer)
+    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer, attends)
 
 
 # class-name words of transformers' token mixers that are not softmax attention: Mamba and Mamba-2

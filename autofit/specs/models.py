@@ -607,6 +607,17 @@ class ModelSpec:
         return str(self._counted("mixer") or "")
 
     @property
+    def attends(self) -> bool:
+        """Whether a block of this kind has softmax attention (Jamba's Mamba layers and Nemotron-H's
+        MLP layers do not: ``specs/derive.py``)."""
+        return self._counted("attends") is not False
+
+    @property
+    def attending_layers(self) -> int:
+        """How many of its layers have softmax attention (all but a hybrid stack's other kinds)."""
+        return sum(n for n, k in self.layer_kinds() if k.attends)
+
+    @property
     def derivation(self) -> str:
         """What an answer on a model type no family describes says of it ("" for a registered family)."""
         if not self.derived:
@@ -1259,7 +1270,9 @@ def _kind_derived(
     params = (built.embedding_params, block.layer_params, built.head_params)
     counts = (("linears", block.linears), ("params", params))
     gap = block.analytic or _formula_gap(dataclasses.replace(formula, n_params=0, derived=own), params, block.linears)
-    mixer = (("mixer", block.mixer),) if block.mixer else ()  # (kept out where none: fingerprints stay)
+    # (kept out where there is none, and where it attends: the other specs' fingerprints stay)
+    mixer = (("mixer", block.mixer),) if block.mixer else ()
+    mixer += (("attends", False),) if not block.attends else ()
     return own + counts + (("analytic", gap),) + mixer + (("first_layer", block.first_layer),)
 
 
