@@ -182,6 +182,8 @@ def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
     #1849): QLoRA saves the attention's weights, not the experts'."""
     # a model type no family describes: how it was read and itemized
     notes = {"block": spec.derivation} if spec.derived else {}
+    if spec.mixer_assumption:  # its Mamba or delta-rule mixers, estimated as their torch code runs
+        notes["mixer"] = spec.mixer_assumption
     if not spec.has_experts:
         return notes
     notes["routing"] = spec.routing_assumption

@@ -1374,6 +1374,8 @@ def step_work(
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
     attn_fwd = 4 * T * attended * model.q_dim * model.attending_layers
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
+    mixed_fwd, mixed_bwd = _mixer_flops(plan, ctx, T, keys)  # priced as attention: batched products
+    attn_fwd, attn_bwd = attn_fwd + mixed_fwd, attn_bwd + mixed_bwd
     recomputed, attn_recompute = _recomputed(plan, ctx, (*block, *adapters), rc, attn_fwd)
 
     logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
@@ -1485,19 +1487,37 @@ def _mixer_kernels(plan: Plan, ctx: Target, k_fwd: float, k_bwd: float) -> tuple
     kinds = model.layer_kinds()
     if not any(k.mixer for _, k in kinds):
         return k_fwd, k_bwd
-    from autofit.evaluators import traced
-
     seq = ctx.workload.seq_len // max(1, plan.context_parallel)
     fwd = bwd = 0.0
     for n, k in kinds:
         if k.mixer:
-            f, b = traced.mixer_work(k, plan, gpu.kind == "cpu", gpu.compute_capability).kernels(seq)
+            f, b = traced_mixer_work(k, plan, gpu).kernels(seq)
             if plan.fused_kernels:
                 f, b = f - KERNELS_FUSED_FWD, b - KERNELS_FUSED_BWD
         else:
             f, b = k_fwd, k_bwd
         fwd, bwd = fwd + n * f, bwd + n * b
     return fwd / model.num_layers, bwd / model.num_layers
+
+
+def _mixer_flops(plan: Plan, ctx: Target, tokens: float, keys: float) -> tuple[float, float]:
+    """The FLOPs of the mixers' own products over all blocks, forward and backward (a chunked scan's
+    batched products, counted on one traced block: ``traced.mixer_work``)."""
+    model, gpu = ctx.model, ctx.cluster.gpu
+    fwd = bwd = 0.0
+    for n, k in model.layer_kinds():
+        if k.mixer:
+            work = traced_mixer_work(k, plan, gpu)
+            fwd += n * tokens * (work.fwd_flops[0] + keys * work.fwd_flops[1])
+            bwd += n * tokens * (work.bwd_flops[0] + keys * work.bwd_flops[1])
+    return fwd, bwd
+
+
+def traced_mixer_work(kind: ModelSpec, plan: Plan, gpu):
+    """``traced.mixer_work`` of one kind of layer on ``gpu``'s kernels."""
+    from autofit.evaluators import traced
+
+    return traced.mixer_work(kind, plan, gpu.kind == "cpu", gpu.compute_capability)
 
 
 def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> tuple[float, float, float, float]:

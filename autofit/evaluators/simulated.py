@@ -456,6 +456,7 @@ class _OpCounter:
         self._tensor, self._tree_leaves = torch.Tensor, tree_leaves
         self._registry = flop_registry
         self._sdpa_fwd, self._sdpa_bwd = sdpa_flop_count, sdpa_backward_flop_count
+        self._conv_bwd = aten.convolution_backward
         self.attention_ops = {
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_backward.default,
@@ -518,6 +519,8 @@ class _OpCounter:
             flops = self._registry[packet](*args, **kwargs, out_val=out)
             if func in self.attention_ops:
                 flops *= attn_flop_scale * (0.5 if _is_causal(func, args, kwargs) else 1.0)
+            if packet is self._conv_bwd:
+                flops += self._grouped_weight_grad(args, out)
         elif self.cpu_flash is not None and packet in (self.cpu_flash, self.cpu_flash_bwd):
             backward = packet is self.cpu_flash_bwd
             q, k, v = args[1:4] if backward else args[:3]
@@ -535,6 +538,23 @@ class _OpCounter:
         elif packet.__name__ == "_grouped_mm":  # an MoE block's experts (evaluators/moe.py)
             flops = moe.grouped_mm_flops(args, out)
         return flops
+
+    def _grouped_weight_grad(self, args, out) -> float:
+        """What torch's formula counts wrong in a grouped convolution's weight gradient (the causal
+        depthwise conv1d of every Mamba, delta-rule and short-convolution mixer): it takes it as an
+        ungrouped convolution of the input with the output gradient (``flop_counter.conv_backward_flop``,
+        which "skips groups"), ``groups`` times too many; it costs what the forward does."""
+        from torch.utils.flop_counter import conv_flop_count
+
+        grad_out, x, w, transposed, groups, mask = args[0], args[1], args[2], args[7], args[9], args[10]
+        if groups == 1 or transposed or not mask[1]:
+            return 0.0
+
+        def t(shape):
+            return [shape[1], shape[0], *shape[2:]]
+
+        wrong = conv_flop_count(t(x.shape), t(grad_out.shape), t(out[1].shape), transposed=False)
+        return float(conv_flop_count(x.shape, w.shape, grad_out.shape, transposed=False) - wrong)
 
     def gemm_dim(self, func, args) -> float:
         """The smallest of a GEMM's m, k, n (0 for an op that is not one)."""

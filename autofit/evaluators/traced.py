@@ -38,8 +38,12 @@ LENGTHS = (256, 512)
 
 
 def block_terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
-    """``(bytes per token, bytes per token per attended position)`` the first block saves."""
-    tok, quad = _terms(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
+    """``(bytes per token, bytes per token per attended position)`` the first block saves (a mixer's
+    from its :func:`mixer_work` census, which runs forward and backward anyway)."""
+    if model.mixer:
+        tok, quad = mixer_work(model, plan.replace(torch_compile=False), cpu, capability).saved
+    else:
+        tok, quad = _terms(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
     if plan.torch_compile:
         dtok, dquad = compile_delta(model, plan, cpu, capability)
         tok, quad = max(0.0, tok + dtok), max(0.0, quad + dquad)
@@ -208,6 +212,12 @@ class MixerWork:
     bwd_quad: float
     fwd_kernels: tuple[float, float]
     bwd_kernels: tuple[float, float]
+    # the FLOPs of the mixer's own products (a chunked scan's), per token and per token per
+    # attended position, each way (``_Transients.measure``)
+    fwd_flops: tuple[float, float] = (0.0, 0.0)
+    bwd_flops: tuple[float, float] = (0.0, 0.0)
+    # what the block saves, as :func:`block_terms` gives it (the same census: one trace, not two)
+    saved: tuple[float, float] = (0.0, 0.0)
 
     def kernels(self, seq: float) -> tuple[float, float]:
         """Forward and backward kernels of one block for a micro-batch of sequences of ``seq`` tokens."""
@@ -223,8 +233,12 @@ def mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, i
 @census_cache.on_disk(dataclasses.asdict, _from_json(MixerWork))
 def _mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:
     one = _one_layer(model)
-    fwd, bwd, kf, kb = zip(*(_census(one, plan, s, cpu, capability, transients=True).transients for s in LENGTHS))
-    return MixerWork(*_per_token(*fwd), *_per_token(*bwd), _line(*kf), _line(*kb))
+    runs = [_census(one, plan, s, cpu, capability, transients=True) for s in LENGTHS]
+    fwd, bwd, kf, kb, ff, fb = zip(*(run.transients for run in runs))
+    saved = _per_token(*(float(sum(run.storages)) for run in runs))
+    return MixerWork(
+        *_per_token(*fwd), *_per_token(*bwd), _line(*kf), _line(*kb), _per_token(*ff), _per_token(*fb), saved
+    )
 
 
 def _line(k1: float, k2: float) -> tuple[float, float]:
@@ -331,6 +345,12 @@ class _Census:
     transients: tuple[float, ...] = ()  # forward and backward bytes and kernels (:class:`_Transients`)
 
 
+# the ops whose FLOPs the analytic evaluator counts from a block's shapes: Linears (and their
+# adapters) run as mm/addmm, or bitsandbytes' 4-bit and int8 GEMMs; the experts as one grouped
+# GEMM; attention by its kernel's name
+SHAPED = ("mm", "addmm", "_grouped_mm", "gemm_4bit", "int8_linear_matmul")
+
+
 class _Transients:
     """The block's own moments in a census trace, from the tracker's log (``memtrack``): between
     the block's forward hooks, the most it holds above its start, its saves and autocast's weight
@@ -376,16 +396,26 @@ class _Transients:
         if key is not None:
             self.saved.add(key)
 
-    def measure(self, net) -> tuple[float, float, float, float]:
-        """Forward and backward bytes (above), and the kernels the block issued each way."""
+    def measure(self, net) -> tuple[float, ...]:
+        """Forward and backward bytes (above), the kernels the block issued each way, and the FLOPs
+        of its products that are neither a Linear's nor attention's nor the experts' (which the
+        analytic evaluator counts from the block's shapes): a chunked scan's, each way."""
         for h in self.hooks:
             h.remove()
         weights = self.tracer.weight_keys
         grads = {self.tracer._key_of(p.grad, create=False) for p in net.parameters() if p.grad is not None}
         fwd = self._rise(self.marks["forward"], self.marks["forward-end"], weights | self.saved)
         bwd = self._rise(self.marks["backward"], self.marks["backward-end"], weights | grads)
-        kernels = [self.ops[f"{p}-end"] - self.ops[p] for p in ("forward", "backward")]
-        return float(fwd), float(self.incoming + bwd), float(kernels[0]), float(kernels[1])
+        rows = {p: self.tracer.ops.rows.get(p, [])[self.ops[p] : self.ops[f"{p}-end"]] for p in ("forward", "backward")}
+        flops = {p: sum(r[1] for r in rows[p] if r[0] not in SHAPED and "attention" not in r[0]) for p in rows}
+        return (
+            float(fwd),
+            float(self.incoming + bwd),
+            float(len(rows["forward"])),
+            float(len(rows["backward"])),
+            flops["forward"],
+            flops["backward"],
+        )
 
     def _rise(self, start: int, end: int, skip: set) -> int:
         live = most = 0
@@ -436,6 +466,7 @@ def _run_census(
     batch = rt.batches_for(model, plan, Workload(seq_len=seq, global_batch=1))[0]
     fake_batch, _ = simulated._fake_batch(batch, mode, flash2)
     block = unroll.decoder_layers(net, model.family.decoder_layer)[-1]
+    _pass_earlier_mixers(net, block)
     full = model.derived and not plan.is_peft and not plan.quantized  # (adapters and 4-bit weights count otherwise)
     if full and sum(p.numel() for p in block.parameters()) != model.layer_params():
         raise CensusError(
@@ -485,6 +516,27 @@ def _run_census(
         graphs=stand_in.graphs if stand_in is not None else {},
         transients=probe.measure(net) if probe is not None else (),
     )
+
+
+def _pass_earlier_mixers(net, block) -> None:
+    """Make the mixers of the layers before ``block`` (``specs.derive.mixers``: Mamba, the delta rule,
+    short convolutions) return their input: those layers only feed the counted block its input,
+    whose shape a mixer keeps, and a Mamba mixer's torch code loops over the tokens (Jamba's
+    attention layer, censused after four Mamba layers, took 27 s)."""
+    import torch
+
+    from autofit.specs.derive import mixers
+
+    stacks = [m for m in net.modules() if isinstance(m, torch.nn.ModuleList) and any(x is block for x in m)]
+    for layer in stacks[0] if stacks else ():
+        if layer is block:
+            return
+        for name in mixers(layer):
+            getattr(layer, name).forward = _pass_through
+
+
+def _pass_through(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def _key(t) -> int:

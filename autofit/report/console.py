@@ -105,7 +105,7 @@ def print_estimate(console: Console, result: TrialResult, ctx: Target) -> None:
 def assumptions(cluster, model=None) -> list[str]:
     """What an answer's figures assume rather than know: the cluster's (host memory, a custom
     GPU's rates) and the model's (an MoE router's spread, a block read from transformers)."""
-    own = [model.routing_assumption, model.derivation] if model is not None else []
+    own = [model.routing_assumption, model.mixer_assumption, model.derivation] if model is not None else []
     return [*cluster.assumptions(), *(line for line in own if line)]
 
 

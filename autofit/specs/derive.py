@@ -82,7 +82,7 @@ class Block:
     # expert width, and its shared expert's width (``"shared_width"``; 0: none); {} for a dense MLP
     experts: Mapping[str, int] = field(default_factory=dict)
     first_layer: int = 0  # the index of the first layer of this kind
-    # a token mixer that is not softmax attention, beside it or instead of it (:func:`_mixers`):
+    # a token mixer that is not softmax attention, beside it or instead of it (:func:`mixers`):
     # what it is, and its class ("" for none)
     mixer: str = ""
     attends: bool = True  # whether it has a softmax attention (Jamba's Mamba layers, Nemotron-H's MLP layers: not)
@@ -169,11 +169,12 @@ def derive(cfg: Any, keys: Mapping[str, str] = {}) -> Derived:  # noqa: B006 - r
     A stack of layers of several kinds (DeepSeek-V3's and GLM-4.5's dense layers before their MoE
     layers) is read kind by kind, each from a model of its own (a fake forward swaps a model's
     tensors). A kind whose tokens are mixed by something other than softmax attention (Jamba's
-    Mamba layers, Qwen3-Next's gated delta rule: :func:`_mixers`) is read as any other, and marked
+    Mamba layers, Qwen3-Next's gated delta rule: :func:`mixers`) is read as any other, and marked
     for the analytic evaluator to trace; a stack with no attention in any layer is refused."""
     _router_loss(cfg)
     model = _build(cfg)
     layers = _decoder_layers(model, cfg)
+    _shared_weights(cfg, layers)
     stack = _stack(layers)
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
@@ -206,18 +207,18 @@ def _block(
     names PEFT does not adapt as Linears (:func:`_peft_remaps`). A kind with no attention child
     (Jamba's Mamba layers, Nemotron-H's MLP layers) takes its token mixer, if any, in attention's place."""
     experts = _experts(cfg, block)
-    mixers = _mixers(block)
+    mixing = mixers(block)
     attn = _child(block, "attention", ("attention", "attn"))
-    attends = attn[1] is not None and attn[0] not in mixers
-    if attn[1] is None and mixers:
-        attn = (mixers[0], getattr(block, mixers[0]))
+    attends = attn[1] is not None and attn[0] not in mixing
+    if attn[1] is None and mixing:
+        attn = (mixing[0], getattr(block, mixing[0]))
     # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
     mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
-    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixers) if n), remapped)
+    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixing) if n), remapped)
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
     fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final_norm, probes, experts)
-    mixer = _mixer_text(block, mixers)
+    mixer = _mixer_text(block, mixing)
     if mixer:  # its saves and transients come from a trace of it (evaluators/traced.py)
         why = "; ".join(x for x in (f"it mixes tokens with {mixer}", why) if x)
     params = sum(p.numel() for p in block.parameters())
@@ -231,7 +232,7 @@ def _block(
 MIXER_WORDS = ("mamba", "mixer", "deltanet", "lightning", "linearattention", "shortconv")
 
 
-def _mixers(block) -> tuple[str, ...]:
+def mixers(block) -> tuple[str, ...]:
     """The block's direct children that mix tokens otherwise than softmax attention: by class name
     (:data:`MIXER_WORDS`), or holding a causal ``nn.Conv1d`` (every state-space, delta-rule and
     short-convolution mixer in transformers has one; no attention does)."""
@@ -292,6 +293,19 @@ def _decoder_layers(model, cfg: Any) -> list:
     if not lists:
         raise SpecError(f"found no list of {n} decoder layers in transformers' {cfg.model_type} model")
     return list(lists[0])
+
+
+def _shared_weights(cfg: Any, layers: list) -> None:
+    """Refuse layers that share parameters (Zamba's one attention block, called from several
+    layers): autofit counts, gathers and shards each layer's own weights."""
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if seen.setdefault(id(p), i) != i:
+                raise SpecError(
+                    f"{cfg.model_type}'s layers {seen[id(p)]} and {i} share parameters ({type(layer).__name__}): "
+                    "autofit models layers that each hold their own weights"
+                )
 
 
 def _stack(layers: list) -> tuple[int, ...]:

@@ -760,6 +760,21 @@ class ModelSpec:
         )
 
     @property
+    def mixer_assumption(self) -> str:
+        """What the estimators assume of its token mixers that are not softmax attention ("" for a
+        model with none): their torch code, as transformers runs it without kernels."""
+        mixers = sorted({k.mixer.split("(", 1)[-1].rstrip(")") for _, k in self.layer_kinds() if k.mixer})
+        if not mixers:
+            return ""
+        return (
+            f"its mixers ({', '.join(mixers)}) are estimated as their torch code runs, which is what transformers "
+            "runs without mamba-ssm, causal-conv1d or flash-linear-attention installed; with them (or the Hub's "
+            "kernels) it runs their fused kernels instead, which hold less and run faster "
+            "(transformers.integrations.hub_kernels.use_kernel_func_from_hub_with_fallback): the measured evaluator "
+            "runs what is installed"
+        )
+
+    @property
     def shared_expert_width(self) -> int:
         """The shared expert's MLP width (Qwen2-MoE; 0: none)."""
         if self.derived:  # read from the block's Linears beside its experts (DeepSeek's n_shared_experts wide)
