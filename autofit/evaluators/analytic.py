@@ -602,8 +602,9 @@ def _block_note(model: ModelSpec) -> dict[str, str]:
 
 def _traced_block(model: ModelSpec, plan: Plan, masked: bool, cpu: bool, capability: tuple[int, int]) -> _Block:
     """A block from one traced block's saves (``traced.block_terms``); the transients a forward
-    census cannot see at an MoE block's sizes where it routes experts, else at a llama block's
-    sizes of the same widths (``_block_summary``): the
+    census cannot see measured on its trace where it has a mixer no formula sizes
+    (``traced.mixer_work``), else at an MoE block's sizes where it routes experts, else at a llama
+    block's sizes of the same widths (``_block_summary``): the
     gated MLP's gradients, its forward's residual, norm output, projection output and product,
     eager attention's fp32 scores and softmax gradients. Nothing is counted as freed early."""
     from autofit.evaluators import traced

@@ -12,7 +12,9 @@ evaluators and the exports need, and the best :class:`~autofit.specs.models.Fami
 can say. Where that family's formulas reproduce the block's parameters and the block is one
 the analytic evaluator's formulas describe (``common``), the analytic evaluator reads it as it
 reads a registered family; otherwise ``analytic`` says why not, and the analytic evaluator
-takes the block's saved tensors from a trace of it (``evaluators/traced.py``). A mixture of
+takes the block's saved tensors from a trace of it (``evaluators/traced.py``), and for a
+layer whose tokens are mixed by something other than softmax attention (:func:`mixers`: Mamba,
+the gated delta rule, short convolutions) its transients and kernels too. A mixture of
 experts is read where transformers runs its experts as grouped experts
 (``use_experts_implementation``), under the registered MoE families' routing assumption
 (:func:`_experts`); any other is refused.

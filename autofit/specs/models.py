@@ -642,8 +642,9 @@ class ModelSpec:
     def _block_text(self) -> str:
         """A derived block's shape, and how the analytic evaluator reads it."""
         f = self.family
+        what = "its saves, transients and kernels" if self.mixer else "its saves"
         how = (
-            f"the analytic evaluator traces one block for its saves, since {self.analytic_gap}"
+            f"the analytic evaluator traces one block for {what}, since {self.analytic_gap}"
             if self.analytic_gap
             else "the analytic evaluator itemizes it as a block of that shape where one traced block confirms "
             "its formulas, and traces it where not"
