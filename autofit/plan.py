@@ -358,6 +358,12 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         p.append("--lora-dropout applies only to the LoRA methods (lora, lora-8bit, qlora); drop it or pick one")
     if plan.method is Method.QLORA and not half:
         p.append("qlora computes in 16-bit: use precision bf16-mixed, fp16-mixed or bf16-true, not 32-true")
+    if plan.quantized and model.uncalled_linears:
+        p.append(
+            f"{model.model_type}'s blocks read {', '.join(model.uncalled_linears)}'s weight themselves, not through "
+            f"the Linear: bitsandbytes' {'4' if plan.method is Method.QLORA else '8'}-bit codes fail there (the real "
+            "step raises); use lora or full"
+        )
     if plan.method is Method.LORA_8BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
         # Linear8bitLt keeps its int8 weight and row scales in its MatmulLtState as well as in the
         # parameter (bitsandbytes nn/modules.py, init_8bit_state), so neither engine can shard them;

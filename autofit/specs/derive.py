@@ -88,6 +88,9 @@ class Block:
     # what it is, and its class ("" for none)
     mixer: str = ""
     attends: bool = True  # whether it has a softmax attention (Jamba's Mamba layers, Nemotron-H's MLP layers: not)
+    # Linears whose forward the block never calls, reading their weights itself (Jamba's dt_proj):
+    # LoRA on them would get no gradient, and bitsandbytes' codes fail there
+    uncalled: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -216,16 +219,16 @@ def _block(
         attn = (mixing[0], getattr(block, mixing[0]))
     # the MLP child: the sparse MoE block that holds the experts (GraniteMoE's block_sparse_moe), else by name
     mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
-    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixing) if n), remapped)
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
+    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixing) if n), remapped, trace.uncalled)
     fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final_norm, probes, experts)
     mixer = _mixer_text(block, mixing)
     if mixer:  # its saves and transients come from a trace of it (evaluators/traced.py)
         why = "; ".join(x for x in (f"it mixes tokens with {mixer}", why) if x)
     params = sum(p.numel() for p in block.parameters())
     moe = experts.config if experts else {}
-    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer, attends)
+    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer, attends, trace.uncalled)
 
 
 # class-name words of transformers' token mixers that are not softmax attention: Mamba and Mamba-2
@@ -361,7 +364,7 @@ def _peft_remaps(model_type: str) -> frozenset[str]:
 
 
 def _linears(
-    cfg: Any, block, mixing: tuple[str, ...], remapped: frozenset[str]
+    cfg: Any, block, mixing: tuple[str, ...], remapped: frozenset[str], uncalled: frozenset[str] = frozenset()
 ) -> list[tuple[str, int, int, str, bool]]:
     """``(name, in, out, part, bias)`` of the block's Linear (and GPT-2 Conv1D) layers, in order.
     A router is none, though PhiMoE's subclasses ``nn.Linear``: it returns a tuple, which a PEFT
@@ -369,7 +372,8 @@ def _linears(
     ``part``: ``attention`` for those of the children that mix tokens (``mixing``: attention, and a
     Mamba or delta-rule mixer beside or instead of it), ``mlp``, or ``frozen`` for a Linear LoRA
     cannot target by name (``remapped``: PEFT adapts the routed experts instead, :func:`_peft_remaps`;
-    and what PEFT refuses to adapt in a Mamba model, :func:`_peft_refuses`)."""
+    what PEFT refuses to adapt in a Mamba model, :func:`_peft_refuses`), or should not: one the block
+    never calls (``uncalled``, Jamba's ``dt_proj``), whose adapter would get no gradient."""
     import torch
 
     out = []
@@ -382,7 +386,7 @@ def _linears(
             continue
         part = "attention" if any(name == n or name.startswith(n + ".") for n in mixing) else "mlp"
         short = name.rsplit(".", 1)[-1]
-        if (part == "mlp" and short in remapped) or _peft_refuses(cfg.model_type, short):
+        if (part == "mlp" and short in remapped) or _peft_refuses(cfg.model_type, short) or name in uncalled:
             part = "frozen"
         out.append((name, int(i), int(o), part, getattr(m, "bias", None) is not None))
     return out
@@ -524,6 +528,7 @@ class _Trace:
     reads_input: frozenset[str]  # those whose first argument is the block's input
     reads: Mapping[str, str]  # child -> the child whose output it reads ("" when none)
     router_fp32: bool = False  # the experts got fp32 routing weights beside 16-bit hidden states
+    uncalled: frozenset[str] = frozenset()  # the block's Linears it never calls (their full names)
 
 
 def _trace(model, block, attn, mlp, experts: str) -> _Trace:
@@ -568,7 +573,11 @@ def _trace(model, block, attn, mlp, experts: str) -> _Trace:
         weights = args[2] if len(args) > 2 else kwargs.get("top_k_weights")
         routed.append(isinstance(weights, torch.Tensor) and weights.dtype == torch.float32)
 
+    called: set[str] = set()
     hooks = [block.register_forward_pre_hook(reads(""), with_kwargs=True)]
+    for name, m in block.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            hooks.append(m.register_forward_pre_hook(lambda *_, n=name: called.add(n)))
     if experts:
         hooks.append(_module(block, experts).register_forward_pre_hook(routing, with_kwargs=True))
     for name, m in watched.items():
@@ -587,7 +596,8 @@ def _trace(model, block, attn, mlp, experts: str) -> _Trace:
             h.remove()
     reads = {n: outputs.get(i, "") for n, i in inputs.items()}
     first_in = frozenset(n for n, i in inputs.items() if block_in and i == block_in[0])
-    return _Trace(tuple(order), first_in, reads, bool(routed and routed[0]))
+    linears = {n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) and not hasattr(m, "top_k")}
+    return _Trace(tuple(order), first_in, reads, bool(routed and routed[0]), frozenset(linears - called))
 
 
 def _record(name: str, out, order: list[str], outputs: dict[int, str]) -> None:

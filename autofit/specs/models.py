@@ -613,6 +613,13 @@ class ModelSpec:
         return self._counted("attends") is not False
 
     @property
+    def uncalled_linears(self) -> tuple[str, ...]:
+        """Linears of its blocks whose forward the block never calls, reading their weights itself
+        (Jamba's ``mamba.dt_proj``: ``specs/derive.py``): no LoRA target names them, and bitsandbytes'
+        8- or 4-bit codes cannot stand in for their weights."""
+        return tuple(sorted({n for _, k in self.layer_kinds() for n in k._counted("uncalled") or ()}))
+
+    @property
     def attending_layers(self) -> int:
         """How many of its layers have softmax attention (all but a hybrid stack's other kinds)."""
         return sum(n for n, k in self.layer_kinds() if k.attends)
@@ -1289,6 +1296,7 @@ def _kind_derived(
     # (kept out where there is none, and where it attends: the other specs' fingerprints stay)
     mixer = (("mixer", block.mixer),) if block.mixer else ()
     mixer += (("attends", False),) if not block.attends else ()
+    mixer += (("uncalled", tuple(sorted(block.uncalled))),) if block.uncalled else ()
     return own + counts + (("analytic", gap),) + mixer + (("first_layer", block.first_layer),)
 
 
