@@ -50,10 +50,6 @@ class _Block:
     probs_quad: float  # s² bytes per token of 16-bit probabilities freed before the softmax backward
     attn_bwd_quad: float  # transient s² bytes per token in attention's backward
     mlp_fwd_tok: float = 0.0  # transient bytes per token while the MLP runs forward (or is recomputed)
-    # ... and per token per attended position, and the same of ``bwd_tok``: a traced mixer's
-    # transients, measured on its trace (``traced.block_transients``); 0 for the formulas' blocks
-    mlp_fwd_quad: float = 0.0
-    bwd_quad: float = 0.0
     held_tok: float = 0.0  # of ``tok``, what no checkpointing or offload frees (``_Saves.held``)
     # of ``mlp_fwd_tok``, what a checkpoint's recompute never makes: torch.utils.checkpoint stops
     # recomputing once the block's last saved tensor is packed (``_StopRecomputationError``)
@@ -67,6 +63,10 @@ class _Block:
     bwd_rise: tuple[tuple[float, float, float], ...] = ()
     # a hybrid stack's kinds of block: the layers of each, and its own block (``_stack_block``)
     kinds: tuple[tuple[tuple[int, ...], _Block], ...] = ()
+    # ``mlp_fwd_tok`` and ``bwd_tok`` per token per attended position: a traced mixer's transients,
+    # measured on its trace (``traced.mixer_work``); 0 for the formulas' blocks
+    mlp_fwd_quad: float = 0.0
+    bwd_quad: float = 0.0
 
     def layers(self, num_layers: int) -> list[_Block]:
         """Each layer's block, in order."""
@@ -1492,7 +1492,7 @@ def _mixer_kernels(plan: Plan, ctx: Target, k_fwd: float, k_bwd: float) -> tuple
     fwd = bwd = 0.0
     for n, k in kinds:
         if k.mixer:
-            f, b = traced_mixer_work(k, plan, gpu).kernels(seq)
+            f, b = _mixer_work(k, plan, gpu).kernels(seq)
             if plan.fused_kernels:
                 f, b = f - KERNELS_FUSED_FWD, b - KERNELS_FUSED_BWD
         else:
@@ -1508,13 +1508,13 @@ def _mixer_flops(plan: Plan, ctx: Target, tokens: float, keys: float) -> tuple[f
     fwd = bwd = 0.0
     for n, k in model.layer_kinds():
         if k.mixer:
-            work = traced_mixer_work(k, plan, gpu)
+            work = _mixer_work(k, plan, gpu)
             fwd += n * tokens * (work.fwd_flops[0] + keys * work.fwd_flops[1])
             bwd += n * tokens * (work.bwd_flops[0] + keys * work.bwd_flops[1])
     return fwd, bwd
 
 
-def traced_mixer_work(kind: ModelSpec, plan: Plan, gpu):
+def _mixer_work(kind: ModelSpec, plan: Plan, gpu):
     """``traced.mixer_work`` of one kind of layer on ``gpu``'s kernels."""
     from autofit.evaluators import traced
 

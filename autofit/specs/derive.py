@@ -88,8 +88,8 @@ class Block:
     # what it is, and its class ("" for none)
     mixer: str = ""
     attends: bool = True  # whether it has a softmax attention (Jamba's Mamba layers, Nemotron-H's MLP layers: not)
-    # Linears whose forward the block never calls, reading their weights itself (Jamba's dt_proj):
-    # LoRA on them would get no gradient, and bitsandbytes' codes fail there
+    # its mixer's Linears whose forward it never calls, reading their weights itself (Jamba's
+    # dt_proj): LoRA on them would get no gradient, and bitsandbytes' codes fail there
     uncalled: frozenset[str] = frozenset()
 
 
@@ -221,14 +221,17 @@ def _block(
     mlp = (experts.child, getattr(block, experts.child)) if experts else _child(block, "MLP", ("mlp", "feedforward"))
     probes = {n: _probe(m) for n, m in block.named_children() if "norm" in type(m).__name__.lower()}
     trace = _trace(model, block, attn, mlp, experts.name if experts else "")
-    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixing) if n), remapped, trace.uncalled)
+    # a mixer's Linears it never calls, reading their weights itself (not an encoder-decoder's
+    # cross-attention, which a causal LM leaves unused)
+    uncalled = frozenset(n for n in trace.uncalled if any(n.startswith(m + ".") for m in mixing))
+    lin = _linears(cfg, block, tuple(n for n in (attn[0], *mixing) if n), remapped, uncalled)
     fam, why = _family(cfg, keys, model, block, attn, mlp, lin, trace, final_norm, probes, experts)
     mixer = _mixer_text(block, mixing)
     if mixer:  # its saves and transients come from a trace of it (evaluators/traced.py)
         why = "; ".join(x for x in (f"it mixes tokens with {mixer}", why) if x)
     params = sum(p.numel() for p in block.parameters())
     moe = experts.config if experts else {}
-    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer, attends, trace.uncalled)
+    return Block(fam, tuple(x[:4] for x in lin), params, why, moe, first, mixer, attends, uncalled)
 
 
 # class-name words of transformers' token mixers that are not softmax attention: Mamba and Mamba-2
