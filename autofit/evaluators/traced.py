@@ -332,9 +332,12 @@ def formulas_miss(model: ModelSpec) -> str:
 def _one_layer(model: ModelSpec) -> ModelSpec:
     """The model cut after the first layer of the kind ``model`` describes: its first layer only,
     or for a kind of a hybrid stack (``ModelSpec.layer_kinds``) the layers up to its first one
-    (``unroll.cut``). The census counts its last layer's saves."""
+    (``unroll.cut``); a whole hybrid stack (a compiled plan's census) is its most common kind's,
+    which its own fields describe. The census counts its last layer's saves."""
     from autofit.evaluators import unroll
 
+    if model.hybrid:
+        model = max(model.layer_kinds(), key=lambda kind: kind[0])[1]
     return unroll.cut(model, model.first_layer + 1)
 
 

@@ -198,3 +198,16 @@ def test_a_mixer_that_loops_over_the_tokens_issues_kernels_per_token():
     assert jamba.fwd_kernels[1] >= 3 and jamba.bwd_kernels[1] >= 3
     assert lfm2.fwd_kernels[1] == lfm2.bwd_kernels[1] == 0
     assert lfm2.fwd_tok > 0 and lfm2.bwd_tok > 0 and jamba.bwd_tok > lfm2.bwd_tok
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "glm4_moe"])
+def test_a_compiled_plan_of_a_stack_of_several_kinds_is_censused_on_its_main_kind(model_type):
+    """A ``torch_compile`` plan's census runs on the stack's most common kind (the screen of LFM2
+    crashed: the stack was cut to one layer, leaving the other kinds none)."""
+    from autofit.evaluators.analytic import AnalyticEvaluator
+    from tests.evaluators.test_derived import tiny_hybrid
+
+    spec = tiny_mixed(model_type) if model_type in MIXED else tiny_hybrid(model_type)
+    plan = Plan(precision="bf16-true", micro_batch=1, torch_compile=True)
+    ana = AnalyticEvaluator().evaluate(plan, Target(spec, parse_cluster("1xA100"), Workload(256, 1)))
+    assert ana.memory is not None and ana.throughput.tokens_per_sec > 0, ana.reason
