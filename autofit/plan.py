@@ -342,6 +342,26 @@ def _plain(value: Any) -> Any:
 _EIGHT_BIT = (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
 
+def _quantized_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Why the plan's 8- or 4-bit base weights cannot run the model."""
+    p: list[str] = []
+    if plan.quantized and model.uncalled_linears:
+        p.append(
+            f"{model.model_type}'s blocks read {', '.join(model.uncalled_linears)}'s weight themselves, not through "
+            f"the Linear: bitsandbytes' {'4' if plan.method is Method.QLORA else '8'}-bit codes fail there (the real "
+            "step raises); use lora or full"
+        )
+    if plan.method is Method.LORA_8BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
+        # Linear8bitLt keeps its int8 weight and row scales in its MatmulLtState as well as in the
+        # parameter (bitsandbytes nn/modules.py, init_8bit_state), so neither engine can shard them;
+        # transformers documents 8-bit loading with neither (QLoRA shards through bnb_4bit_quant_storage)
+        p.append(
+            f"lora-8bit cannot shard its 8-bit weights with {plan.sharding.value} (bitsandbytes' Linear8bitLt keeps "
+            "them outside the parameter): use zero2 or none, or qlora with zero3/fsdp"
+        )
+    return p
+
+
 def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: Workload) -> list[str]:
     """Every reason ``plan`` cannot run ``model`` on ``cluster`` for ``workload``, with fixes."""
     p: list[str] = []
@@ -358,20 +378,7 @@ def plan_problems(plan: Plan, model: ModelSpec, cluster: ClusterSpec, workload: 
         p.append("--lora-dropout applies only to the LoRA methods (lora, lora-8bit, qlora); drop it or pick one")
     if plan.method is Method.QLORA and not half:
         p.append("qlora computes in 16-bit: use precision bf16-mixed, fp16-mixed or bf16-true, not 32-true")
-    if plan.quantized and model.uncalled_linears:
-        p.append(
-            f"{model.model_type}'s blocks read {', '.join(model.uncalled_linears)}'s weight themselves, not through "
-            f"the Linear: bitsandbytes' {'4' if plan.method is Method.QLORA else '8'}-bit codes fail there (the real "
-            "step raises); use lora or full"
-        )
-    if plan.method is Method.LORA_8BIT and plan.sharding in (Sharding.ZERO3, Sharding.FSDP):
-        # Linear8bitLt keeps its int8 weight and row scales in its MatmulLtState as well as in the
-        # parameter (bitsandbytes nn/modules.py, init_8bit_state), so neither engine can shard them;
-        # transformers documents 8-bit loading with neither (QLoRA shards through bnb_4bit_quant_storage)
-        p.append(
-            f"lora-8bit cannot shard its 8-bit weights with {plan.sharding.value} (bitsandbytes' Linear8bitLt keeps "
-            "them outside the parameter): use zero2 or none, or qlora with zero3/fsdp"
-        )
+    p += _quantized_problems(plan, model)
 
     # precision and kernels against the GPU
     if plan.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not gpu.supports_bf16:
