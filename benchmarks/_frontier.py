@@ -1,6 +1,10 @@
-"""The fastest fitting plan of each method over the whole search space, as the analytic screen ranks it."""
+"""The fastest fitting plan of each method over the whole search space, as the analytic screen ranks it;
+the configs a benchmark writes for `--model`."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from autofit.results import TrialResult
 from autofit.search.loop import screen
@@ -28,3 +32,13 @@ def cells(best: dict[str, TrialResult], with_plan: bool = False) -> list[str]:
         plan = f"; {r.plan.summary()}" if r and with_plan else ""
         out.append(f"{r.tokens_per_sec:,.0f} ({r.memory.device_total / 2**30:.1f} GiB{plan})" if r else "does not fit")
     return out
+
+
+def write_configs(configs: dict[str, dict], folder: Path) -> dict[str, str]:
+    """Each model's config.json in a folder of its name under ``folder``: what ``--model`` takes."""
+    paths = {}
+    for name, cfg in configs.items():
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+        paths[name] = str(folder / name)
+    return paths

@@ -15,7 +15,6 @@ checked against real CPU steps in ``tests/evaluators/test_derived.py``; nothing 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from _emit import emit  # beside this file
-from _frontier import best_per_method, cells  # beside this file
+from _frontier import best_per_method, cells, write_configs  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -90,16 +89,6 @@ RUNS = [
 PAIRS = [("moonlight-16b-a3b", "1xH100"), ("ernie-4.5-21b-a3b", "1xH200"), ("glm-4.5-air", "8xH100")]
 
 
-def write_configs(folder: Path) -> dict[str, str]:
-    """Each model's config.json in a folder of its name: what ``--model`` takes."""
-    paths = {}
-    for name, cfg in CONFIGS.items():
-        (folder / name).mkdir()
-        (folder / name / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
-        paths[name] = str(folder / name)
-    return paths
-
-
 def compare(paths: dict[str, str], seq: int) -> tuple[list[str], list[tuple[float, float]]]:
     cache, rows, errors = TraceCache(), [], []
     for name, gpus, plan in RUNS:
@@ -129,7 +118,7 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_configs(Path(tmp))
+        paths = write_configs(CONFIGS, Path(tmp))
         rows, errors = compare(paths, args.seq)
         front = []
         for name, gpus in PAIRS:

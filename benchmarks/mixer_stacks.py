@@ -18,7 +18,6 @@ nothing here ran on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 from _emit import emit  # beside this file
-from _frontier import best_per_method, cells  # beside this file
+from _frontier import best_per_method, cells, write_configs  # beside this file
 
 from autofit.evaluators.analytic import estimate
 from autofit.evaluators.simulated import SimulatedEvaluator, TraceCache
@@ -105,16 +104,6 @@ RUNS = [
 PAIRS = [("falcon-h1", "1xH100"), ("lfm2-1.2b", "1xRTX4090"), ("bamba-9b", "1xA100-80GB")]
 
 
-def write_configs(folder: Path) -> dict[str, str]:
-    """Each model's config.json in a folder of its name: what ``--model`` takes."""
-    paths = {}
-    for name, cfg in CONFIGS.items():
-        (folder / name).mkdir()
-        (folder / name / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
-        paths[name] = str(folder / name)
-    return paths
-
-
 def _layers(spec) -> str:
     """Each kind of layer: its count, and its mixer's class or attention."""
     out = []
@@ -154,7 +143,7 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_configs(Path(tmp))
+        paths = write_configs(CONFIGS, Path(tmp))
         rows, errors = compare(paths, args.seq)
         front = []
         for name, gpus in PAIRS:

@@ -1375,15 +1375,14 @@ def step_work(
     attended = keys / 2 if causal and plan.attention is not Attention.EAGER and not plan.packing else keys
     attn_fwd = 4 * T * attended * model.q_dim * model.attending_layers
     attn_bwd = attn_fwd * (2.5 if plan.attention is not Attention.EAGER else 2.0)
-    mixed_fwd, mixed_bwd = _mixer_flops(plan, ctx, T, keys)  # priced as attention: batched products
-    attn_fwd, attn_bwd = attn_fwd + mixed_fwd, attn_bwd + mixed_bwd
+    mixers = _mixers(plan, ctx, T, keys)
+    attn_fwd, attn_bwd = attn_fwd + mixers.flops[0], attn_bwd + mixers.flops[1]  # as attention: batched products
     recomputed, attn_recompute = _recomputed(plan, ctx, (*block, *adapters), rc, attn_fwd)
 
     logits = 0 if plan.fused_loss else (cb + 16) * model.vocab_size * T
     q_fwd, q_bwd, q_k_fwd, q_k_bwd = _quantized_work(model, plan, T, cluster.gpu.kind == "cpu")
-    fwd_bytes, bwd_bytes, casts = _block_traffic(plan, ctx, T, keys, block_bytes)
-    k_fwd, k_bwd = _block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd)
-    k_fwd, k_bwd = _mixer_kernels(plan, ctx, k_fwd, k_bwd)
+    fwd_bytes, bwd_bytes, casts = _block_traffic(plan, ctx, T, keys, block_bytes, mixers)
+    k_fwd, k_bwd = mixers.mean_kernels(L, *_block_kernels(model, plan, n_adapted, q_k_fwd, q_k_bwd))
     if plan.torch_compile:  # the compiled block's fused kernels and library calls (traced.compiled_work)
         work = _compiled(plan, ctx)
         k_fwd, k_bwd = work.fwd_kernels, work.bwd_kernels
@@ -1422,26 +1421,29 @@ def step_work(
     )
 
 
-def _block_traffic(plan: Plan, ctx: Target, tokens: float, keys: float, block_bytes: float):
+def _block_traffic(plan: Plan, ctx: Target, tokens: float, keys: float, block_bytes: float, mixers: _Mixers):
     """The blocks' memory-bound bytes forward and backward (a recompute repeats the forward's), and
     autocast's weight casts, per micro-batch of ``tokens``.
 
     Eager: activations written in forward and read in backward, their gradients written and read
     (eager's s² tensors are in ``block_bytes``); Liger's kernels read and write each norm, SwiGLU
     and RoPE tensor once where eager chains of ops each read and write it (``fused_traffic``).
-    Autocast reads each fp32 weight and writes its 16-bit copy per forward (and recompute), and
-    backward casts the 16-bit weight gradients back to fp32. Compiled: what the block's fused
-    kernels move (``traced.compiled_work``), the blocks' casts among them."""
+    A mixer's block moves what its trace moved (``mixers.moved``): a Mamba scan's torch code
+    writes and reads far more than the block saves (Falcon-H1: 4× forward). Autocast reads each
+    fp32 weight and writes its 16-bit copy per forward (and recompute), and backward casts the
+    16-bit weight gradients back to fp32. Compiled: what the block's fused kernels move
+    (``traced.compiled_work``), the blocks' casts among them."""
     model, L = ctx.model, ctx.model.num_layers
     head_params = model.vocab_size * model.hidden_size
     autocast_full = dtype_layout(plan).autocasts and plan.method is Method.FULL
     if plan.torch_compile:
         fwd, bwd = _compiled(plan, ctx).bytes(tokens, keys)
         return L * fwd, L * bwd, head_params * 6 if autocast_full else 0.0
-    elementwise = block_bytes * L
+    elementwise = block_bytes * L - mixers.saved
     fused_fwd = fused_traffic(model, tokens) if plan.fused_kernels else 0.0
     casts = (model.linear_params() + head_params) * 6 if autocast_full else 0.0
-    return max(0.0, 1.5 * elementwise - fused_fwd), max(0.0, 2.5 * elementwise - 2.5 * fused_fwd), casts
+    fwd = max(0.0, 1.5 * elementwise - fused_fwd) + mixers.moved[0]
+    return fwd, max(0.0, 2.5 * elementwise - 2.5 * fused_fwd) + mixers.moved[1], casts
 
 
 def _compiled(plan: Plan, ctx: Target):
@@ -1479,39 +1481,46 @@ def _block_kernels(model: ModelSpec, plan: Plan, n_adapted: float, q_fwd: float,
     return k_fwd + moe * KERNELS_MOE_FWD, k_bwd + moe * KERNELS_MOE_BWD
 
 
-def _mixer_kernels(plan: Plan, ctx: Target, k_fwd: float, k_bwd: float) -> tuple[float, float]:
-    """The mean kernels of a block, forward and backward, where some kinds of layer mix tokens with
-    a mixer no count describes (``ModelSpec.mixer``): those kinds' own, counted on their trace
-    (``traced.mixer_work``: a Mamba mixer's torch path launches kernels per token), the others'
-    ``k_fwd`` and ``k_bwd``."""
+@dataclass(frozen=True)
+class _Mixers:
+    """The layers whose kinds mix tokens with a mixer no formula describes (``ModelSpec.mixer``), as
+    their traces measured them (``traced.mixer_work``), over all such layers for one micro-batch:
+    their own products' FLOPs, the bytes their memory-bound ops move and the bytes they save, each
+    forward and backward; the kernels they issue (a Mamba mixer's torch path launches some per
+    token)."""
+
+    layers: int = 0
+    flops: tuple[float, float] = (0.0, 0.0)
+    moved: tuple[float, float] = (0.0, 0.0)
+    saved: float = 0.0
+    kernels: tuple[float, float] = (0.0, 0.0)
+
+    def mean_kernels(self, num_layers: int, k_fwd: float, k_bwd: float) -> tuple[float, float]:
+        """A block's mean kernels each way: the mixers' own, and ``k_fwd``/``k_bwd`` for each other layer."""
+        rest = num_layers - self.layers
+        return (self.kernels[0] + rest * k_fwd) / num_layers, (self.kernels[1] + rest * k_bwd) / num_layers
+
+
+def _mixers(plan: Plan, ctx: Target, tokens: float, keys: float) -> _Mixers:
+    """:class:`_Mixers` of the model for a micro-batch of ``tokens`` tokens meeting ``keys`` keys each."""
     model, gpu = ctx.model, ctx.cluster.gpu
-    kinds = model.layer_kinds()
-    if not any(k.mixer for _, k in kinds):
-        return k_fwd, k_bwd
+    kinds = [(n, _mixer_work(k, plan, gpu)) for n, k in model.layer_kinds() if k.mixer]
+    if not kinds:
+        return _Mixers()
     seq = ctx.workload.seq_len // max(1, plan.context_parallel)
-    fwd = bwd = 0.0
-    for n, k in kinds:
-        if k.mixer:
-            f, b = _mixer_work(k, plan, gpu).kernels(seq)
-            if plan.fused_kernels:
-                f, b = f - KERNELS_FUSED_FWD, b - KERNELS_FUSED_BWD
-        else:
-            f, b = k_fwd, k_bwd
-        fwd, bwd = fwd + n * f, bwd + n * b
-    return fwd / model.num_layers, bwd / model.num_layers
 
+    def over(terms: str) -> float:  # a MixerWork field over all the mixers' layers
+        return sum(n * tokens * (getattr(w, terms)[0] + keys * getattr(w, terms)[1]) for n, w in kinds)
 
-def _mixer_flops(plan: Plan, ctx: Target, tokens: float, keys: float) -> tuple[float, float]:
-    """The FLOPs of the mixers' own products over all blocks, forward and backward (a chunked scan's
-    batched products, counted on one traced block: ``traced.mixer_work``)."""
-    model, gpu = ctx.model, ctx.cluster.gpu
-    fwd = bwd = 0.0
-    for n, k in model.layer_kinds():
-        if k.mixer:
-            work = _mixer_work(k, plan, gpu)
-            fwd += n * tokens * (work.fwd_flops[0] + keys * work.fwd_flops[1])
-            bwd += n * tokens * (work.bwd_flops[0] + keys * work.bwd_flops[1])
-    return fwd, bwd
+    fused = (KERNELS_FUSED_FWD, KERNELS_FUSED_BWD) if plan.fused_kernels else (0, 0)
+    kernels = [sum(n * (w.kernels(seq)[i] - fused[i]) for n, w in kinds) for i in (0, 1)]
+    return _Mixers(
+        layers=sum(n for n, _ in kinds),
+        flops=(over("fwd_flops"), over("bwd_flops")),
+        moved=(over("fwd_bytes"), over("bwd_bytes")),
+        saved=over("saved"),
+        kernels=(kernels[0], kernels[1]),
+    )
 
 
 def _mixer_work(kind: ModelSpec, plan: Plan, gpu):
@@ -1543,14 +1552,15 @@ def _quantized_work(model: ModelSpec, plan: Plan, tokens: float, cpu: bool) -> t
     if plan.method is not Method.LORA_8BIT:
         return 0.0, 0.0, 0, 0
     c = dtype_layout(plan).compute_bytes
-    lins = [(n, lin) for n, k in model.layer_kinds() for lin in k.linears()]  # (layers, Linear)
-    per_block = sum(n for n, _ in lins) / model.num_layers  # Linears a block (a hybrid stack's mean)
+    lins = [(n, lin, k.mixer) for n, k in model.layer_kinds() for lin in k.linears()]  # (layers, Linear, mixer)
+    per_block = sum(n for n, _, _ in lins) / model.num_layers  # Linears a block (a hybrid stack's mean)
     weights = model.linear_params()
     dequant = weights * (1 + 3 * c)
     if cpu:
         return dequant, dequant, 3 * per_block, 3 * per_block
     cast = 0 if plan.precision is Precision.FP16_MIXED else 2 + c
-    per_token = sum(n * (i * (15 + cast) + o * (10 + cast)) for n, (_, i, o, _) in lins)
+    # (a mixer's block moves what its trace moved, its inputs' quantization among it: ``_mixers``)
+    per_token = sum(n * (i * (15 + cast) + o * (10 + cast)) for n, (_, i, o, _), mixer in lins if not mixer)
     forward = tokens * per_token + weights
     return forward, dequant, (8 if cast == 0 else 11) * per_block, 3 * per_block
 

@@ -322,6 +322,12 @@ def register_flash2() -> str:
 
 
 # -- the trace ---------------------------------------------------------------------------
+def memory_bound(op: str, flops: float, dim: float) -> bool:
+    """Whether an op's row (:class:`OpCosts`) is priced by the bytes it moves: neither attention
+    (priced by its FLOPs) nor a GEMM (a smallest dimension: ``gemm_dim``)."""
+    return "attention" not in op and not (flops and dim)
+
+
 @dataclass
 class OpCosts:
     """The steady-state step's ops per phase, as ``(op, flops, bytes, dtype, dim)`` rows;
@@ -375,12 +381,12 @@ class OpCosts:
         attention = memory = 0.0
         rows = self.rows.get(phase, ())
         for op, flops, nbytes, _, dim in rows:
-            if "attention" in op:
-                attention += flops
-            elif flops and dim:
-                gemms[(flops, nbytes, dim)] = gemms.get((flops, nbytes, dim), 0) + 1
-            else:
+            if memory_bound(op, flops, dim):
                 memory += nbytes
+            elif "attention" in op:
+                attention += flops
+            else:
+                gemms[(flops, nbytes, dim)] = gemms.get((flops, nbytes, dim), 0) + 1
         n = micro_batches
         return timing.PhaseWork(
             gemms=tuple((f, b, d, c / n) for (f, b, d), c in gemms.items()),

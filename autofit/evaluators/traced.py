@@ -90,9 +90,9 @@ def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int])
     return _per_token(*(float(sum(_census(one, plan, s, cpu, capability).storages)) for s in LENGTHS))
 
 
-def _per_token(b1: float, b2: float) -> tuple[float, float]:
-    """``(per token, per token per attended position)`` of two census values at ``LENGTHS``."""
-    s1, s2 = LENGTHS
+def _per_token(b1: float, b2: float, lengths: tuple[int, int] = LENGTHS) -> tuple[float, float]:
+    """``(per token, per token per attended position)`` of two census values at ``lengths``."""
+    s1, s2 = lengths
     quad = max(0.0, (b2 / s2 - b1 / s1) / (s2 - s1))
     return max(0.0, b1 / s1 - quad * s1), quad
 
@@ -200,10 +200,10 @@ def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int,
 
 @dataclasses.dataclass(frozen=True)
 class MixerWork:
-    """What one block holds beyond its saves while it runs, and the kernels it issues, measured on
-    its trace where no formula gives them (a token mixer that is not softmax attention:
-    ``ModelSpec.mixer``): bytes per token and per token per attended position, forward and
-    backward (:class:`_Transients`); kernels per micro-batch and per token of a sequence, each
+    """What one block holds beyond its saves while it runs, what it moves and the kernels it
+    issues, measured on its trace where no formula gives them (a token mixer that is not softmax
+    attention: ``ModelSpec.mixer``): bytes per token and per token per attended position, forward
+    and backward (:class:`_Transients`); kernels per micro-batch and per token of a sequence, each
     way (a Mamba mixer's torch path loops over the sequence, a launch or more a token)."""
 
     fwd_tok: float
@@ -214,10 +214,14 @@ class MixerWork:
     bwd_kernels: tuple[float, float]
     # the FLOPs of the mixer's own products (a chunked scan's), per token and per token per
     # attended position, each way (``_Transients.measure``)
-    fwd_flops: tuple[float, float] = (0.0, 0.0)
-    bwd_flops: tuple[float, float] = (0.0, 0.0)
+    fwd_flops: tuple[float, float]
+    bwd_flops: tuple[float, float]
     # what the block saves, as :func:`block_terms` gives it (the same census: one trace, not two)
-    saved: tuple[float, float] = (0.0, 0.0)
+    saved: tuple[float, float]
+    # the bytes its memory-bound ops read and write (``simulated.memory_bound``), per token and per
+    # token per attended position, each way: what the block's elementwise traffic is
+    fwd_bytes: tuple[float, float]
+    bwd_bytes: tuple[float, float]
 
     def kernels(self, seq: float) -> tuple[float, float]:
         """Forward and backward kernels of one block for a micro-batch of sequences of ``seq`` tokens."""
@@ -225,27 +229,65 @@ class MixerWork:
 
 
 def mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:
-    """A mixer block's :class:`MixerWork` from one census at each of ``LENGTHS``, forward and backward."""
+    """A mixer block's :class:`MixerWork` from one census at each of :func:`mixer_lengths`, forward
+    and backward."""
     return _mixer_work(model, _census_plan(plan.replace(torch_compile=False)), cpu, capability)
+
+
+def mixer_lengths(model: ModelSpec) -> tuple[int, int, int]:
+    """The three census lengths of a mixer block: 2, 3 and 4 of its scan's chunks (128 tokens where
+    its config names none). A chunked scan of one chunk skips the state passed between chunks
+    (Falcon-H1's, of 256 tokens, saved 20% less a token at 256 tokens than at 512 and 768), so a
+    length of one chunk would fit a line through two regimes. Three lengths fit the three terms of
+    a census value: per micro-batch, per token and per token per attended position."""
+    cfg = _one_layer(model).to_hf_config()
+    chunk = max([128] + [v for k in ("chunk_size", "mamba_chunk_size") if isinstance(v := getattr(cfg, k, None), int)])
+    return (2 * chunk, 3 * chunk, 4 * chunk)
 
 
 @functools.lru_cache(maxsize=256)
 @census_cache.on_disk(dataclasses.asdict, _from_json(MixerWork))
 def _mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:
-    one = _one_layer(model)
-    runs = [_census(one, plan, s, cpu, capability, transients=True) for s in LENGTHS]
-    fwd, bwd, kf, kb, ff, fb = zip(*(run.transients for run in runs))
-    saved = _per_token(*(float(sum(run.storages)) for run in runs))
+    one, lengths = _one_layer(model), mixer_lengths(model)
+    runs = [_census(one, plan, s, cpu, capability, transients=True) for s in lengths]
+    fwd, bwd, kf, kb, ff, fb, bf, bb = zip(*(run.transients for run in runs))
+    saved = [float(sum(run.storages)) for run in runs]
+
+    def terms(values) -> tuple[float, float]:
+        # a sum over ops or tensors: what does not grow with the tokens is the weights' (a
+        # dequantized weight, autocast's copies), which the analytic evaluator counts for every
+        # Linear: left out
+        _, tok, quad = _fit(lengths, values)
+        return max(0.0, tok), max(0.0, quad)
+
+    def saves(values) -> tuple[float, float]:
+        # what the block saves whatever the length (``-exp(A_log)``, a scan's initial state) is
+        # a save as real as the rest: taken per token at the shortest length, which overstates it
+        # at longer ones (never under from there)
+        once, tok, quad = _fit(lengths, values)
+        return max(0.0, tok + max(0.0, once) / lengths[0]), max(0.0, quad)
+
+    def most(values) -> tuple[float, float]:
+        # the most held at a moment, which one tensor (a dequantized weight) may decide at the
+        # shortest length and the tokens' at the others (Falcon-H1's QLoRA backward): the longer two
+        return _per_token(*values[1:], lengths=lengths[1:])
+
+    def kernels(values) -> tuple[float, float]:
+        once, tok, _ = _fit(lengths, values)
+        return once, tok
+
     return MixerWork(
-        *_per_token(*fwd), *_per_token(*bwd), _line(*kf), _line(*kb), _per_token(*ff), _per_token(*fb), saved
+        *most(fwd), *most(bwd), kernels(kf), kernels(kb), terms(ff), terms(fb), saves(saved), terms(bf), terms(bb)
     )
 
 
-def _line(k1: float, k2: float) -> tuple[float, float]:
-    """``(constant, per token)`` through two counts at ``LENGTHS``."""
-    s1, s2 = LENGTHS
-    per = (k2 - k1) / (s2 - s1)
-    return k1 - per * s1, per
+def _fit(lengths: tuple[int, int, int], values) -> Terms:
+    """The :data:`Terms` ``(c, t, q)`` of ``c + t·s + q·s²`` through three census values at ``lengths``."""
+    (s1, s2, s3), (v1, v2, v3) = lengths, values
+    d1, d2 = (v2 - v1) / (s2 - s1), (v3 - v2) / (s3 - s2)
+    q = (d2 - d1) / (s3 - s1)
+    t = d1 - q * (s1 + s2)
+    return (v1 - t * s1 - q * s1 * s1, t, q)
 
 
 def _node_terms(node) -> Terms:
@@ -400,9 +442,12 @@ class _Transients:
             self.saved.add(key)
 
     def measure(self, net) -> tuple[float, ...]:
-        """Forward and backward bytes (above), the kernels the block issued each way, and the FLOPs
+        """Forward and backward bytes (above), the kernels the block issued each way, the FLOPs
         of its products that are neither a Linear's nor attention's nor the experts' (which the
-        analytic evaluator counts from the block's shapes): a chunked scan's, each way."""
+        analytic evaluator counts from the block's shapes: a chunked scan's), and the bytes its
+        memory-bound ops moved, each way (as the simulator prices them)."""
+        from autofit.evaluators.simulated import memory_bound
+
         for h in self.hooks:
             h.remove()
         weights = self.tracer.weight_keys
@@ -411,6 +456,7 @@ class _Transients:
         bwd = self._rise(self.marks["backward"], self.marks["backward-end"], weights | grads)
         rows = {p: self.tracer.ops.rows.get(p, [])[self.ops[p] : self.ops[f"{p}-end"]] for p in ("forward", "backward")}
         flops = {p: sum(r[1] for r in rows[p] if r[0] not in SHAPED and "attention" not in r[0]) for p in rows}
+        moved = {p: sum(r[2] for r in rows[p] if memory_bound(r[0], r[1], r[4])) for p in rows}
         return (
             float(fwd),
             float(self.incoming + bwd),
@@ -418,6 +464,8 @@ class _Transients:
             float(len(rows["backward"])),
             flops["forward"],
             flops["backward"],
+            moved["forward"],
+            moved["backward"],
         )
 
     def _rise(self, start: int, end: int, skip: set) -> int:
