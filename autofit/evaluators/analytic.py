@@ -917,6 +917,11 @@ def _activations(
     inputs = (
         t_mem * model.hidden_size * (n_ckpt * _residual_bytes(model, plan, cpu) - flags[0] * _widened(model, plan, cpu))
     )
+    if plan.is_peft and n_ckpt and _multiplied_embeddings(model):
+        # checkpointing makes the frozen embedding's output a leaf that needs a gradient
+        # (``PreTrainedModel.enable_input_require_grads``); multiplied into block 0's input, it is
+        # held by its AccumulateGrad node until backward, beside the product
+        inputs += t_mem * model.hidden_size * lay.base_bytes
     layers = blk.layers(L)  # each layer's own block (a hybrid stack's kinds differ)
 
     def saves(b: _Block) -> float:
@@ -993,6 +998,13 @@ def _residual_bytes(model: ModelSpec, plan: Plan, cpu: bool) -> int:
     if plan.method is Method.QLORA and lay.autocasts and not cpu and model.family.norm == "layernorm":
         return 4
     return lay.base_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _multiplied_embeddings(model: ModelSpec) -> bool:
+    """Whether the model multiplies its embedding's output outside the embedding module, by its
+    config's ``embedding_multiplier`` (Granite's, Falcon-H1's, HyperCLOVA X's ``model.forward``)."""
+    return getattr(model.to_hf_config(), "embedding_multiplier", None) is not None
 
 
 def _widened(model: ModelSpec, plan: Plan, cpu: bool) -> int:
