@@ -410,8 +410,6 @@ class Trial:
 
     def _train(self, runner, setup: Setup, spec, plan, wl, dev) -> _Steps:
         """Warm-up steps (tracked: memory; two at least), then timed steps (untracked: speed); progress per step."""
-        import torch
-
         from autofit.evaluators import runtime as rt
 
         cuda = dev.type == "cuda"
@@ -419,10 +417,18 @@ class Trial:
         # memory is tracked through the second step at least: the optimizer's states exist only
         # from the first step's end, and the steady state the estimators predict has them
         tracked = max(warmup, min(2, warmup + timed))
+        # a compiled plan on a GPU: the tracked steps run the stand-in for torch.compile (dynamo
+        # compiles nothing under the tracker), then torch.compile itself compiles the blocks in
+        # one more untimed step, and the timed steps run what it compiled (on the CPU the stand-in
+        # runs throughout: inductor's C++ compile would be most of a CPU trial)
+        compile_at = tracked if plan.torch_compile and cuda else None
+        first_timed = warmup if compile_at is None else compile_at + 1
         out = _Steps()
-        for step in range(warmup + timed):
+        for step in range(first_timed + timed):
             if step == tracked:  # later steps run untracked: its Python bookkeeping would slow them
                 self._stop_tracking(setup)
+            if step == compile_at:
+                self._compile(runner, dev)
             injected_fault(plan.plan_id, step)
             # warm-up steps take the worst case of the length distribution (memory),
             # timed steps samples of it (speed); ranks see different data
@@ -432,14 +438,14 @@ class Trial:
             if cuda:
                 out.device_used.append(cuda_device_used(dev.index))
             out.losses.append(loss)
-            if step >= warmup:
+            if step >= first_timed:
                 out.times.append(dt)
                 out.tokens.append(n_tok)
-            peak = torch.cuda.max_memory_allocated(dev) if cuda else self.tracker.peak
+            peak = self._cuda_peak(dev)[0] if cuda else self.tracker.peak
             self.progress(
                 {
                     "step": step,
-                    "warmup": step < warmup,
+                    "warmup": step < first_timed,
                     "step_time_s": dt,
                     "tokens_per_sec": n_tok * self.world / dt,
                     "peak_bytes": int(peak),
@@ -447,14 +453,38 @@ class Trial:
             )
         return out
 
+    def _compile(self, runner, dev) -> None:
+        """torch.compile of the blocks in place of the tracked steps' stand-in; CUDA's peaks from here
+        on are the compiled steps' own (``compiled_peak_allocated``), the run's the larger of the two."""
+        import torch
+
+        self.memory["standin_peak_allocated"], self.memory["standin_peak_reserved"] = self._cuda_peak(dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        runner.compile_blocks()
+
+    def _cuda_peak(self, dev) -> tuple[int, int]:
+        """CUDA's peak allocated and reserved bytes of the run (over a compiled plan's stand-in steps too)."""
+        import torch
+
+        return (
+            max(int(torch.cuda.max_memory_allocated(dev)), int(self.memory.get("standin_peak_allocated", 0))),
+            max(int(torch.cuda.max_memory_reserved(dev)), int(self.memory.get("standin_peak_reserved", 0))),
+        )
+
     def _final_memory(self, dev, device_used: list[int | None]) -> None:
-        """The rank's totals: CUDA's allocator and device figures, or the tracker's on the CPU."""
+        """The rank's totals: CUDA's allocator and device figures, or the tracker's on the CPU. A
+        compiled plan's are the larger of its stand-in steps' (whose ops run unfused) and its compiled
+        steps' (``compiled_peak_allocated``, what a launched run holds)."""
         import torch
 
         if dev.type == "cuda":
+            if "standin_peak_allocated" in self.memory:
+                self.memory["compiled_peak_allocated"] = int(torch.cuda.max_memory_allocated(dev))
+            peak, reserved = self._cuda_peak(dev)
             self.memory.update(
-                peak_allocated=int(torch.cuda.max_memory_allocated(dev)),
-                peak_reserved=int(torch.cuda.max_memory_reserved(dev)),
+                peak_allocated=peak,
+                peak_reserved=reserved,
                 device_total=int(max(device_used)) if device_used else 0,
             )
         else:

@@ -913,15 +913,7 @@ def _activations(
     # them (they are among the block's saves then), and its forward makes them
     sac = t_mem * (blk.sac_tok + s * blk.sac_quad)
     cpu = ctx.cluster.gpu.kind == "cpu"
-    # the checkpointed blocks' inputs: block 0's is the embedding output, the others the residual stream
-    inputs = (
-        t_mem * model.hidden_size * (n_ckpt * _residual_bytes(model, plan, cpu) - flags[0] * _widened(model, plan, cpu))
-    )
-    if plan.is_peft and n_ckpt and _multiplied_embeddings(model):
-        # checkpointing makes the frozen embedding's output a leaf that needs a gradient
-        # (``PreTrainedModel.enable_input_require_grads``); multiplied into block 0's input, it is
-        # held by its AccumulateGrad node until backward, beside the product
-        inputs += t_mem * model.hidden_size * lay.base_bytes
+    inputs = _checkpoint_inputs(model, plan, cpu, flags) * t_mem
     layers = blk.layers(L)  # each layer's own block (a hybrid stack's kinds differ)
 
     def saves(b: _Block) -> float:
@@ -998,6 +990,19 @@ def _residual_bytes(model: ModelSpec, plan: Plan, cpu: bool) -> int:
     if plan.method is Method.QLORA and lay.autocasts and not cpu and model.family.norm == "layernorm":
         return 4
     return lay.base_bytes
+
+
+def _checkpoint_inputs(model: ModelSpec, plan: Plan, cpu: bool, flags: list[bool]) -> float:
+    """Bytes per token the checkpointed blocks keep as their inputs: block 0's is the embedding
+    output, the others the residual stream."""
+    h, n_ckpt = model.hidden_size, sum(flags)
+    inputs = h * (n_ckpt * _residual_bytes(model, plan, cpu) - flags[0] * _widened(model, plan, cpu))
+    if plan.is_peft and n_ckpt and _multiplied_embeddings(model):
+        # checkpointing makes the frozen embedding's output a leaf that needs a gradient
+        # (``PreTrainedModel.enable_input_require_grads``); multiplied into block 0's input, it is
+        # held by its AccumulateGrad node until backward, beside the product
+        inputs += h * dtype_layout(plan).base_bytes
+    return inputs
 
 
 @functools.lru_cache(maxsize=256)

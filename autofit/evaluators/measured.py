@@ -138,10 +138,6 @@ def not_measurable(plan: Plan, ctx: Target, device: str) -> str:
                 "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy under context_parallel)"
             )
         return "the measured child does not run context parallelism yet: estimate it, or launch the export"
-    if plan.torch_compile and device != "cpu":
-        # its warm-up steps run under the storage tracker, a TorchDispatchMode, where dynamo compiles
-        # nothing; on the CPU it runs the blocks as inductor partitions them (evaluators/compiled.py)
-        return "the measured child does not run torch.compile on GPUs yet: estimate it, or launch the export"
     if device == "cpu":
         if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
             return "paged-adamw-8bit pages optimizer states through CUDA unified memory; it has no CPU path"
@@ -646,5 +642,7 @@ def _rank_memory(mem: dict[str, Any]) -> dict[str, Any]:
         "rss_peak_bytes",
         "peak_phase",
         "peak_step",
+        "compiled_peak_allocated",
+        "standin_peak_allocated",
     )
     return {k: mem[k] for k in keys if k in mem}

@@ -846,6 +846,21 @@ class StepRunner:
             self.optimizer.zero_grad(set_to_none=True)
         return sum(losses)
 
+    def compile_blocks(self, **compile_kwargs: Any) -> bool:
+        """Swap the tracked steps' stand-in (``compiled.CompiledBlocks``) for torch.compile itself
+        (``compile_regions``), which compiles once no tracker is active: a measured run's untracked
+        steps. False where nothing was swapped (no ``torch_compile``, or compiled already)."""
+        if not isinstance(self._compiled, compiled.CompiledBlocks):
+            return False
+        blocks = self._compiled.blocks
+        self._compiled.remove()
+        if self.plan.checkpointing is not Checkpointing.NONE:
+            # dynamo traces a checkpoint whose context_fn is a selective policy's, not the tracker's
+            # recompute contexts ("checkpoint not implemented for ... context_fn"): plain again
+            enable_checkpointing(unwrap(self.model), {"use_reentrant": False}, self.plan)
+        self._compiled = compile_regions(blocks, **compile_kwargs)
+        return True
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

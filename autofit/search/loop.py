@@ -112,7 +112,6 @@ class SearchRequest:
             self.allowed,
             fused_loss_single_rank_only=single_rank,
             allow_context_parallel=self.evaluator != "measured",
-            allow_torch_compile=self.evaluator != "measured",
         )
 
     @property

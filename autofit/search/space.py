@@ -140,9 +140,6 @@ class SearchSpace:
     fused_loss_single_rank_only: bool = False
     # context parallelism, which the measured evaluator does not run (measured.not_measurable)
     allow_context_parallel: bool = True
-    # torch.compile of the blocks, whose first steps compile: not in a measured study's space (its
-    # warm-up has not been checked to cover inductor's compile on a GPU)
-    allow_torch_compile: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -377,8 +374,7 @@ class SearchSpace:
         MoE experts in bf16 only); not beside eager attention, which inductor turns into sdpa (choose
         sdpa instead)."""
         if (
-            not self.allow_torch_compile
-            or self.ctx.cluster.gpu.kind != "cuda"
+            self.ctx.cluster.gpu.kind != "cuda"
             or method in (Method.QLORA, Method.LORA_8BIT)
             or (self.ctx.model.has_experts and not experts_in_bf16(dtypes[0], method, dtypes[1]))
             or attention is Attention.EAGER

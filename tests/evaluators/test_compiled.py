@@ -184,3 +184,37 @@ def test_the_reports_toggles_drop_compile_where_a_technique_cannot_have_it():
     assert qlora.label == "method lora → qlora (without torch.compile)" and not qlora.plan.torch_compile
     (compile_off,) = [t for t in effects.toggles if t.technique == "torch.compile"]
     assert compile_off.memory_delta > 0  # eager keeps more for backward
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpointing):
+    """A measured run's tracked steps run the stand-in (dynamo compiles nothing under the tracker);
+    then ``compile_blocks`` compiles every block in place, as accelerate's regional compilation does,
+    and the steps after it run through dynamo (here its ``aot_eager`` backend: inductor's C++ compile
+    would take minutes on the CPU). Checkpointing is re-enabled without the tracker's recompute
+    contexts, whose ``context_fn`` dynamo refuses. The same batches give the same losses either way."""
+    from autofit.evaluators.memtrack import StorageTracker
+
+    spec = tiny("llama-3.2-1b", layers=2)
+    plan = Plan(method="lora", lora_rank=8, precision="32-true", micro_batch=2, checkpointing=checkpointing)
+    plan = plan.replace(torch_compile=True)
+    workload = Workload(seq_len=64, global_batch=2)
+    losses = {}
+    for swap in (False, True):
+        torch.manual_seed(0)
+        model = rt.build_model(spec, plan)
+        runner = rt.StepRunner(spec, plan, model, rt.make_optimizer(plan, model), tracker=StorageTracker())
+        with runner.tracker:
+            for step in range(2):
+                runner.step(rt.batches_for(spec, plan, workload, step=step), step=step)
+        blocks = runner._compiled.blocks
+        assert all("forward" in vars(b) for b in blocks)  # the stand-in's
+        if swap:
+            torch._dynamo.reset()
+            assert runner.compile_blocks(backend="aot_eager")
+            assert not any("forward" in vars(b) for b in blocks) and all(b._compiled_call_impl for b in blocks)
+            assert not runner.compile_blocks(backend="aot_eager")  # once
+        losses[swap] = [float(runner.step(rt.batches_for(spec, plan, workload, step=s), step=s)) for s in (2, 3)]
+        runner.close()
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= (1 if swap else 0)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

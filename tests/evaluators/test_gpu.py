@@ -27,6 +27,8 @@ PLANS = {
     "full-ckpt": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa", checkpointing="full"),
     "lora": Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa"),
     "qlora": Plan(method="qlora", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa"),
+    # the tracked steps run evaluators/compiled.py's stand-in, the timed ones torch.compile's code
+    "compiled": Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, attention="sdpa", torch_compile=True),
 }
 
 
@@ -62,3 +64,15 @@ def test_measured_on_the_gpu_and_the_simulator_agree(name, tmp_path):
     # substituted, so the bound is looser: 10% of the peak, and the reserved figure too
     assert sim.memory.peak_allocated == pytest.approx(m.peak_allocated, rel=0.10)
     assert sim.memory.peak_reserved == pytest.approx(m.peak_reserved, rel=0.10)
+
+
+def test_a_compiled_plan_runs_torch_compile_in_its_timed_steps(tmp_path):
+    """After its tracked steps (the stand-in), the child compiles the blocks with inductor in one
+    untimed step; the compiled steps' own peak is kept, and is at most the run's."""
+    from autofit.evaluators.measured import MeasuredEvaluator
+
+    real = MeasuredEvaluator(timeout_s=600, work_dir=tmp_path).evaluate(PLANS["compiled"], gpu_ctx())
+    assert real.status is Status.FITS, (real.reason, real.extra.get("stderr_tail"))
+    memory = real.extra["ranks"][0]["memory"]
+    assert 0 < memory["compiled_peak_allocated"] <= memory["peak_allocated"]
+    assert memory["standin_peak_allocated"] <= memory["peak_allocated"]
