@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.evaluators import compiled, fused, int8, offload
+from autofit.evaluators import compiled, fused, int8, offload, unroll
 from autofit.evaluators.costs import next_pow2
 from autofit.evaluators.memtrack import StorageTracker
 from autofit.plan import Checkpointing, Method, Optimizer, Plan
@@ -746,7 +746,7 @@ class StepRunner:
             self._rope = inner
         self._compiled = None
         if plan.torch_compile:
-            blocks = [m for m in inner.modules() if type(m).__name__ == spec.family.decoder_layer]
+            blocks = unroll.decoder_layers(inner, spec.family.decoder_layer)
             # dynamo compiles nothing under a TorchDispatchMode such as the tracker (FIELD-NOTES):
             # a tracked step runs the blocks as inductor partitions them, unfused
             region = getattr(tracker, "compiled_region", None)

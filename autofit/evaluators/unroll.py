@@ -151,8 +151,9 @@ def cut(spec, layers: int):
 
 
 def decoder_layers(model, class_name: str) -> list:
-    """The model's decoder layers in order (the family's ``decoder_layer`` class)."""
-    return [m for m in model.modules() if type(m).__name__ == class_name]
+    """The model's decoder layers in order (the family's ``decoder_layer`` class, or a subclass of it:
+    FSDP2's ``fully_shard`` swaps each wrapped layer's class for ``FSDP<class>``, ``_fully_shard.py``)."""
+    return [m for m in model.modules() if any(c.__name__ == class_name for c in type(m).__mro__)]
 
 
 def canonical(log: list[tuple[int, int]]) -> list[tuple]:
