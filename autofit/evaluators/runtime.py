@@ -855,8 +855,8 @@ class StepRunner:
         blocks = self._compiled.blocks
         self._compiled.remove()
         if self.plan.checkpointing is not Checkpointing.NONE:
-            # dynamo traces a checkpoint whose context_fn is a selective policy's, not the tracker's
-            # recompute contexts ("checkpoint not implemented for ... context_fn"): plain again
+            # dynamo cannot trace a checkpoint whose context_fn is the tracker's recompute contexts
+            # ("checkpoint not implemented for ... context_fn"): plain again, as a launched run has it
             enable_checkpointing(unwrap(self.model), {"use_reentrant": False}, self.plan)
         self._compiled = compile_regions(blocks, **compile_kwargs)
         return True
