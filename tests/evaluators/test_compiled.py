@@ -192,7 +192,9 @@ def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpoint
     then ``compile_blocks`` compiles every block in place, as accelerate's regional compilation does,
     and the steps after it run through dynamo (here its ``aot_eager`` backend: inductor's C++ compile
     would take minutes on the CPU). Checkpointing is re-enabled without the tracker's recompute
-    contexts, whose ``context_fn`` dynamo refuses. The same batches give the same losses either way."""
+    contexts, whose ``context_fn`` dynamo refuses. The same batches give the same losses either way.
+    Under checkpointing dynamo falls back to running the block eagerly: a side effect inside the
+    checkpointed forward (transformers' output capturing) breaks its graph."""
     from autofit.evaluators.memtrack import StorageTracker
 
     spec = tiny("llama-3.2-1b", layers=2)
@@ -200,7 +202,10 @@ def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpoint
     plan = plan.replace(torch_compile=True)
     workload = Workload(seq_len=64, global_batch=2)
     losses = {}
+    stats = torch._dynamo.utils.counters["stats"]  # (across tests: counted as a difference)
     for swap in (False, True):
+        graphs = stats["unique_graphs"]
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = rt.build_model(spec, plan)
         runner = rt.StepRunner(spec, plan, model, rt.make_optimizer(plan, model), tracker=StorageTracker())
@@ -210,11 +215,13 @@ def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpoint
         blocks = runner._compiled.blocks
         assert all("forward" in vars(b) for b in blocks)  # the stand-in's
         if swap:
-            torch._dynamo.reset()
             assert runner.compile_blocks(backend="aot_eager")
             assert not any("forward" in vars(b) for b in blocks) and all(b._compiled_call_impl for b in blocks)
             assert not runner.compile_blocks(backend="aot_eager")  # once
         losses[swap] = [float(runner.step(rt.batches_for(spec, plan, workload, step=s), step=s)) for s in (2, 3)]
         runner.close()
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= (1 if swap else 0)
+        # the stand-in is AOTAutograd's, without dynamo; under checkpointing dynamo compiles no graph of
+        # the block at all (torch 2.13, transformers 5.25: FIELD-NOTES), and it runs eagerly
+        graphs = stats["unique_graphs"] - graphs
+        assert graphs >= 1 if swap and checkpointing == "none" else graphs == 0, (swap, graphs)
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
