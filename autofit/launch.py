@@ -154,6 +154,7 @@ class PlanTrainer(Trainer):
         self.plan = export.plan
         if self.plan.torch_compile:  # block by block as modelled, also where accelerate launch did not set it
             os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "True")
+            runtime.compile_checkpointed_blocks()  # else a checkpointed block runs eagerly
         self.tokens = 0  # real tokens this rank trained on
         self.fsdp_switched = False
         super().__init__(*args, **kwargs)

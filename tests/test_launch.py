@@ -143,3 +143,22 @@ def test_the_readme_shows_the_script_as_exported():
     launch_section = readme[readme.index("## Launch") :]
     assert "accelerate launch --config_file accelerate_config.yaml train.py --data" in launch_section
     assert main in launch_section, "README's Launch section shows train.py's main() as exported"
+
+
+def test_a_compiled_checkpointed_plan_lets_dynamo_compile_the_checkpointed_block(tmp_path, monkeypatch):
+    """The exported run sets what the measured child sets (runtime.compile_checkpointed_blocks):
+    without it dynamo runs a checkpointed block eagerly, and the plan would compile nothing."""
+    import torch
+    from transformers import TrainingArguments
+
+    from autofit.evaluators import runtime as rt
+
+    spec = tiny("llama-3.2-1b")
+    plan = Plan(method="lora", lora_rank=8, precision="32-true", micro_batch=2, grad_accum=4, checkpointing="full")
+    plan = plan.replace(torch_compile=True)
+    exp = launch.load(_export(tmp_path, spec=spec, plan=plan, gpus="1xA10"))
+    ta = launch.training_arguments(exp, output_dir=str(tmp_path / "o"), max_steps=1, report_to=[])
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "True")  # restored after the test
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        launch.PlanTrainer(model=rt.build_model(spec, plan), args=TrainingArguments(**ta), export=exp)
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint

@@ -872,8 +872,25 @@ def compile_regions(blocks: list[torch.nn.Module], **compile_kwargs: Any) -> Non
     """torch.compile of every block in place, as accelerate's regional compilation does it under
     FSDP2 and DeepSpeed (``accelerate.utils.compile_regions_fsdp2``, ``compile_regions_deepspeed``:
     ``module.compile()``), with inductor unless ``compile_kwargs`` say otherwise."""
+    compile_checkpointed_blocks()
     for block in blocks:
         block.compile(**compile_kwargs)
+
+
+def compile_checkpointed_blocks() -> None:
+    """Let dynamo compile a checkpointed decoder block whole, as the estimators price it.
+
+    transformers' output capturing (``utils/output_capturing.py``) sets a
+    ``CompileableContextVar`` inside every decoder layer's forward. Under
+    ``torch.utils.checkpoint`` (reentrant or not, every k-th layer or op-level policy alike) dynamo
+    refuses that side effect inside the checkpoint's higher-order op ("HOP: Unsafe side effect",
+    torch/_dynamo/variables/higher_order_ops.py) and runs the whole block eagerly: a compiled plan
+    with checkpointing would compile nothing (docs/FIELD-NOTES.md, 2026-12-06). With
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` dynamo traces the block into the checkpoint's
+    op and does not replay that side effect in the recompute, which only the capture of hidden
+    states and attentions reads: a training step does not. Set for the process (dynamo's config is
+    global); the measured child and an exported run (``autofit.launch.PlanTrainer``) both set it."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -186,25 +186,27 @@ def test_the_reports_toggles_drop_compile_where_a_technique_cannot_have_it():
     assert compile_off.memory_delta > 0  # eager keeps more for backward
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "ops"])
 def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpointing):
     """A measured run's tracked steps run the stand-in (dynamo compiles nothing under the tracker);
     then ``compile_blocks`` compiles every block in place, as accelerate's regional compilation does,
     and the steps after it run through dynamo (here its ``aot_eager`` backend: inductor's C++ compile
     would take minutes on the CPU). Checkpointing is re-enabled without the tracker's recompute
     contexts, whose ``context_fn`` dynamo refuses. The same batches give the same losses either way.
-    Under checkpointing dynamo falls back to running the block eagerly: a side effect inside the
-    checkpointed forward (transformers' output capturing) breaks its graph."""
+    A checkpointed block (every block, or under the op-level policy) compiles whole, with no graph
+    break: without ``runtime.compile_checkpointed_blocks`` dynamo would break at transformers'
+    output capturing inside the checkpoint and run the block eagerly (FIELD-NOTES, 2026-12-06)."""
     from autofit.evaluators.memtrack import StorageTracker
 
     spec = tiny("llama-3.2-1b", layers=2)
-    plan = Plan(method="lora", lora_rank=8, precision="32-true", micro_batch=2, checkpointing=checkpointing)
-    plan = plan.replace(torch_compile=True)
+    policy = {"checkpointing": "selective", "checkpoint_ops": True} if checkpointing == "ops" else {}
+    plan = Plan(method="lora", lora_rank=8, precision="32-true", micro_batch=2, checkpointing="none")
+    plan = plan.replace(torch_compile=True, **({"checkpointing": checkpointing} | policy))
     workload = Workload(seq_len=64, global_batch=2)
     losses = {}
-    stats = torch._dynamo.utils.counters["stats"]  # (across tests: counted as a difference)
+    counters = torch._dynamo.utils.counters  # (across tests: counted as differences)
     for swap in (False, True):
-        graphs = stats["unique_graphs"]
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = rt.build_model(spec, plan)
@@ -220,8 +222,8 @@ def test_a_runner_swaps_the_stand_in_for_torch_compile_once_untracked(checkpoint
             assert not runner.compile_blocks(backend="aot_eager")  # once
         losses[swap] = [float(runner.step(rt.batches_for(spec, plan, workload, step=s), step=s)) for s in (2, 3)]
         runner.close()
-        # the stand-in is AOTAutograd's, without dynamo; under checkpointing dynamo compiles no graph of
-        # the block at all (torch 2.13, transformers 5.25: FIELD-NOTES), and it runs eagerly
-        graphs = stats["unique_graphs"] - graphs
-        assert graphs >= 1 if swap and checkpointing == "none" else graphs == 0, (swap, graphs)
+        # the stand-in is AOTAutograd's, without dynamo
+        graphs = counters["stats"]["unique_graphs"] - graphs
+        assert graphs >= 1 if swap else graphs == 0, (swap, graphs)
+        assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
