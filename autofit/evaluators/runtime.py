@@ -888,8 +888,10 @@ def compile_checkpointed_blocks() -> None:
     with checkpointing would compile nothing (docs/FIELD-NOTES.md, 2026-12-06). With
     ``skip_fwd_side_effects_in_bwd_under_checkpoint`` dynamo traces the block into the checkpoint's
     op and does not replay that side effect in the recompute, which only the capture of hidden
-    states and attentions reads: a training step does not. Set for the process (dynamo's config is
-    global); the measured child and an exported run (``autofit.launch.PlanTrainer``) both set it."""
+    states and attentions reads: a training step does not. accelerate 1.16 sets it itself on its FSDP2
+    path with regional compilation, after torchtitan's per-block recipe (``Accelerator._prepare_fsdp2``),
+    but not for one process, DDP or DeepSpeed. Set for the process (dynamo's config is global); the
+    measured child and an exported run (``autofit.launch.PlanTrainer``) both set it."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
