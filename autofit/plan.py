@@ -465,6 +465,12 @@ def _context_parallel_problems(plan: Plan, model: ModelSpec, world: int, workloa
         p.append("context parallelism runs sdpa attention only (torch's ring attention): use --attention sdpa")
     if model.family.task != "causal-lm":
         p.append(f"context parallelism's load balancing needs causal attention; {model.model_type} is not causal")
+    elif model.context_parallel_refusal:
+        # accelerate refuses what transformers' supports_context_parallel refuses (ModelSpec.context_parallel_refusal)
+        p.append(
+            f"context parallelism trains full causal attention only, and {model.name}: "
+            f"{model.context_parallel_refusal}; drop --context-parallel"
+        )
     if workload.seq_len % (2 * cp):
         # torch's round-robin load balancer cuts each sequence into 2 × cp chunks
         p.append(

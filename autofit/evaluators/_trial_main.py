@@ -169,7 +169,13 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
     use_ds = _flag("ACCELERATE_USE_DEEPSPEED")
     # DeepSpeed: Accelerator(cpu=True) would silently drop it; its CPU accelerator needs no flag
     plugin = {"deepspeed_plugin": _deepspeed_plugin()} if use_ds else {}
-    acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum, **plugin)
+    with engines.parallelism_deferred() if device == "cpu" else contextlib.nullcontext():
+        acc = Accelerator(cpu=device == "cpu" and not use_ds, gradient_accumulation_steps=plan.grad_accum, **plugin)
+    if plan.context_parallel > 1 and device == "cpu":
+        from autofit.evaluators import ring
+
+        # torch's ring has no handler for the CPU's attention kernel; its buffers are tracked
+        ring.register(tracker.again if tracker is not None else None)
     engine: dict[str, Any] = {
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     }
@@ -203,10 +209,30 @@ def set_up(spec, plan, device: str, launcher: str, seed: int, tracker=None) -> S
         optimizer,
         accelerator=acc,
         backward=backward,
-        micro_batch_context=lambda i, n: acc.accumulate(model),
+        micro_batch_context=_micro_batch_context(acc, model, plan),
         engine=engine,
         step_plan=step_plan,
     )
+
+
+def _micro_batch_context(acc, model, plan):
+    """``accelerator.accumulate`` around each micro-batch, as the Trainer does; under context
+    parallelism also what the Trainer's ``training_step`` enters around forward and backward: its
+    inputs prepared (``runtime.context_parallel_inputs``) and sharded along the sequence by
+    ``accelerator.maybe_context_parallel``, which runs attention through torch's ring."""
+    if plan.context_parallel == 1:
+        return lambda i, n, batch: acc.accumulate(model)
+    from autofit.evaluators import runtime as rt
+
+    def context(i, n, batch):
+        stack = contextlib.ExitStack()
+        stack.enter_context(acc.accumulate(model))
+        buffers = rt.context_parallel_inputs(batch)
+        dims = [1] * len(buffers)
+        stack.enter_context(acc.maybe_context_parallel(buffers, dims, no_restore_buffers=set(buffers)))
+        return stack
+
+    return context
 
 
 def _deepspeed_plugin():
@@ -422,6 +448,7 @@ class Trial:
         # one more untimed step, and the timed steps run what it compiled (on the CPU the stand-in
         # runs throughout: inductor's C++ compile would be most of a CPU trial)
         compile_at = tracked if plan.torch_compile and cuda else None
+        cp = plan.context_parallel
         first_timed = warmup if compile_at is None else compile_at + 1
         out = _Steps()
         for step in range(first_timed + timed):
@@ -432,8 +459,11 @@ class Trial:
             injected_fault(plan.plan_id, step)
             # warm-up steps take the worst case of the length distribution (memory),
             # timed steps samples of it (speed); ranks see different data
-            batches = rt.batches_for(spec, plan, wl, dev, step=step * self.world + self.rank, worst_case=step < warmup)
-            n_tok = sum(rt.real_tokens(b) for b in batches)
+            # ranks see different data, but a context-parallel group the same rows, each rank training on
+            # 1/cp of their tokens (accelerate's mesh: dp_shard outer, cp inner)
+            row = step * (self.world // cp) + self.rank // cp
+            batches = rt.batches_for(spec, plan, wl, dev, step=row, worst_case=step < warmup)
+            n_tok = sum(rt.real_tokens(b) for b in batches) // cp
             loss, dt = _timed_step(runner, batches, step, cuda)
             if cuda:
                 out.device_used.append(cuda_device_used(dev.index))
@@ -612,6 +642,7 @@ def main(argv: list[str]) -> int:
         "status": "completed",
         "memory": trial.memory,
         "real_tokens": out["real_tokens"],
+        "losses": out["losses"],  # each rank's own: a context-parallel rank's are its tokens' alone
         "engine": out["engine"],
     }
     trial.write(rank_file, mine)

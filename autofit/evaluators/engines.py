@@ -7,7 +7,9 @@ accelerate and torch are imported lazily: the parent of a measured trial imports
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -55,6 +57,41 @@ def switch_to_fsdp(acc) -> None:
     state.fsdp_plugin = plugin
     for shared in (AcceleratorState._shared_state, PartialState._shared_state):
         shared["distributed_type"] = DistributedType.FSDP
+    if parallelism_requested() and acc.parallelism_config is None:
+        _attach_parallelism(acc)
+
+
+def parallelism_requested() -> bool:
+    """The launcher's environment carries a ``ParallelismConfig`` (the exported ``parallelism_config``:
+    context parallelism)."""
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+
+
+@contextlib.contextmanager
+def parallelism_deferred() -> Iterator[None]:
+    """Build the ``Accelerator`` without the launcher's ``ParallelismConfig`` on the CPU: accelerate
+    validates it at construction against the state's ``MULTI_CPU`` (``ParallelismConfig.
+    _validate_accelerator``: "only compatible with FSDP (version 2) ..."), before
+    :func:`switch_to_fsdp` could select FSDP, which then attaches it."""
+    saved = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
+
+
+def _attach_parallelism(acc) -> None:
+    """What ``Accelerator.__init__`` does with a ``ParallelismConfig``, once the state is FSDP: read it
+    from the launcher's ``PARALLELISM_CONFIG_*``, build its device mesh (``dp_shard`` × ``cp``, and the
+    flattened ``dp_shard_cp`` that FSDP2 shards over) and validate it. ``prepare`` then sets up
+    context parallelism itself (``Accelerator._prepare_cp``)."""
+    from accelerate import ParallelismConfig
+
+    pc = ParallelismConfig()  # reads PARALLELISM_CONFIG_*
+    acc.state.parallelism_config = pc
+    acc.state.device_mesh = pc.get_device_mesh(acc.device.type)
+    pc._validate_accelerator(acc)
 
 
 def describe(acc, model, optimizer) -> dict[str, Any]:
@@ -97,6 +134,14 @@ def describe(acc, model, optimizer) -> dict[str, Any]:
         pass
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         out["ddp"] = True
+    pc = acc.parallelism_config
+    if pc is not None and pc.cp_enabled:  # what maybe_context_parallel runs over
+        out["context_parallel"] = {
+            "cp_size": pc.cp_size,
+            "dp_shard_size": pc.dp_shard_size,
+            "cp_comm_strategy": pc.cp_handler.cp_comm_strategy,
+            "mesh": list(acc.torch_device_mesh.mesh_dim_names),
+        }
     # FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each layer
     # (isinstance: fully_shard renames the class of what it shards)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper

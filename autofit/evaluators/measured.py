@@ -131,13 +131,6 @@ def local_gpus_match(cluster, local: list | None = None) -> bool:
 
 def not_measurable(plan: Plan, ctx: Target, device: str) -> str:
     """Why this plan cannot be measured here ('' when it can)."""
-    if plan.context_parallel > 1:
-        if device == "cpu":  # docs/FIELD-NOTES.md, 2026-12-05
-            return (
-                "torch's ring attention has no CPU kernel (torch 2.13: "
-                "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy under context_parallel)"
-            )
-        return "the measured child does not run context parallelism yet: estimate it, or launch the export"
     if device == "cpu":
         if plan.optimizer is Optimizer.PAGED_ADAMW_8BIT:
             return "paged-adamw-8bit pages optimizer states through CUDA unified memory; it has no CPU path"
@@ -533,7 +526,8 @@ def classify(
     result = _read_json(trial_dir / "result.json")
     ranks = sorted((r for p in trial_dir.glob("rank-*.json") if (r := _read_json(p))), key=lambda r: r["rank"])
     extra["ranks"] = [
-        {k: r.get(k) for k in ("rank", "pid", "status", "error")} | {"memory": _rank_memory(r.get("memory") or {})}
+        {k: r.get(k) for k in ("rank", "pid", "status", "error", "losses")}
+        | {"memory": _rank_memory(r.get("memory") or {})}
         for r in ranks
     ]
     if ranks and ranks[0].get("engine"):

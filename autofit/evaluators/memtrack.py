@@ -140,8 +140,23 @@ class StorageTracker(TorchDispatchMode):
         self.host_peak = 0
         self.host_allocs: list[tuple[int, int, object]] = []  # (step, bytes, here())
         self._host_cdata: set[int] = set()
+        self._entered = 0  # how deep the tracker is entered (its own re-entries included)
 
     # -- context -----------------------------------------------------------------------
+    def __enter__(self):
+        self._entered += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._entered -= 1
+        return super().__exit__(*exc)
+
+    def again(self):
+        """The tracker, for the ops a tensor subclass runs inside one op's dispatch, while the tracker
+        is entered (else nothing). A dispatch mode is off while its handler runs the op, so what DTensor's
+        handlers allocate beneath it goes unseen: the ring attention's buffers (``evaluators/ring.py``)."""
+        return self if self._entered else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def in_phase(self, phase: str, step: int | None = None) -> Iterator[None]:
         prev = self.phase

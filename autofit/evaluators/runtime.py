@@ -635,6 +635,20 @@ def synthetic_batch(
     return {k: t.to(device) for k, t in batch.items()}
 
 
+def context_parallel_inputs(batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """What the Trainer adds to a micro-batch under context parallelism, and the buffers
+    ``maybe_context_parallel`` then shards along the sequence (``Trainer._prepare_context_parallel_inputs``,
+    transformers 5.25): labels shifted before sharding (``shift_labels``: a rank's last token predicts
+    the next rank's first, which its own shard does not hold; the loss takes them unshifted) and
+    ``position_ids``, which the sharded rows would otherwise restart at 0. Rows are full-length
+    (plan_problems), so there is no attention mask. ``batch`` gains the two keys in place."""
+    labels = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)
+    batch["shift_labels"] = labels[:, 1:].contiguous()
+    ids = batch["input_ids"]
+    batch["position_ids"] = torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1).contiguous()
+    return [batch[k] for k in ("input_ids", "labels", "shift_labels", "position_ids")]
+
+
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
@@ -715,12 +729,13 @@ class StepRunner:
         device: str | torch.device = "cpu",
         tracker: StorageTracker | None = None,
         backward: Callable[[torch.Tensor], None] | None = None,
-        micro_batch_context: Callable[[int, int], Any] | None = None,
+        micro_batch_context: Callable[[int, int, dict], Any] | None = None,
         kernels: Any = None,
     ) -> None:
         """``backward`` and ``micro_batch_context`` let an engine run the same step: DeepSpeed's
         ``accelerator.backward`` (which also steps the engine at the accumulation boundary),
-        DDP's ``no_sync`` on all but the last micro-batch (called as ``(index, count)``).
+        DDP's ``no_sync`` on all but the last micro-batch, context parallelism's sharding of the
+        batch (called as ``(index, count, batch)``, before the forward reads ``batch``).
         ``kernels``: a factory of a context manager entered around every forward computation,
         the checkpoint recompute in backward included (the simulator's stand-ins for a target
         GPU's kernels on fake CPU tensors). A ``torch_compile`` plan's blocks are compiled in place
@@ -820,7 +835,7 @@ class StepRunner:
         losses = []
         with self.fused_rope():
             for i, batch in enumerate(batches):
-                micro = self._micro_context(i, len(batches)) if self._micro_context else contextlib.nullcontext()
+                micro = self._micro_context(i, len(batches), batch) if self._micro_context else contextlib.nullcontext()
                 with micro:
                     with self._phase("forward", step), self._autocast(), self._kernels(), self._offloading():
                         loss = self.loss(batch) / len(batches)

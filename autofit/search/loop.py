@@ -101,7 +101,7 @@ class SearchRequest:
 
     def space(self) -> SearchSpace:
         """The plans this request searches: for a measured study, only what it can run (fused
-        losses where they run, no context parallelism)."""
+        losses where they run)."""
         single_rank = False
         if self.evaluator == "measured":
             from autofit.evaluators.measured import device_kind, liger_runs
@@ -111,7 +111,6 @@ class SearchRequest:
             self.ctx,
             self.allowed,
             fused_loss_single_rank_only=single_rank,
-            allow_context_parallel=self.evaluator != "measured",
         )
 
     @property

@@ -138,8 +138,6 @@ class SearchSpace:
     # a fused loss only where one process runs the plain model: what the measured evaluator can
     # run without Liger (the chunked loss calls the model body outside DDP/DeepSpeed/FSDP)
     fused_loss_single_rank_only: bool = False
-    # context parallelism, which the measured evaluator does not run (measured.not_measurable)
-    allow_context_parallel: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -157,16 +155,17 @@ class SearchSpace:
 
     def context_parallel(self, sharding: Sharding) -> list[int]:
         """Context-parallel group sizes for ``sharding`` (plan._context_parallel_problems): powers
-        of two dividing the GPUs, with FSDP, for causal models with sdpa on full-length rows."""
+        of two dividing the GPUs, with FSDP, for causal models of full causal attention with sdpa on
+        full-length rows."""
         ctx = self.ctx
         world, w = ctx.cluster.world_size, ctx.workload
         if (
-            not self.allow_context_parallel
-            or sharding is not Sharding.FSDP
+            sharding is not Sharding.FSDP
             or ctx.cluster.gpu.kind != "cuda"
             or ctx.model.family.task != "causal-lm"
             or "sdpa" not in ctx.model.family.attn_impls
             or w.lengths is not None
+            or ctx.model.context_parallel_refusal
         ):
             return [1]
         sizes = [1]

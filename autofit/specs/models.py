@@ -768,6 +768,20 @@ class ModelSpec:
         )
 
     @property
+    def context_parallel_refusal(self) -> str:
+        """Why torch's context parallelism cannot train this model as accelerate launches it ("" where
+        it can; builds its transformers config once).
+
+        accelerate drops every attention layer's mask for ``is_causal`` (``big_modeling.
+        _attach_context_parallel_hooks``) and refuses a model whose ``supports_context_parallel`` is
+        false. transformers 5.25 (``PreTrainedModel.supports_context_parallel``) allows only full causal
+        attention: every entry of the text config's ``layer_types`` "full_attention", or, where a config
+        has none, no ``sliding_window`` (Mistral's configs before v0.3 set one for every layer). A mixer
+        that carries a state along the sequence (Mamba, the gated delta rule, a short convolution) never
+        has it exchanged between the ranks, whatever the config says: refused as well."""
+        return _context_parallel_refusal(self)
+
+    @property
     def mixer_assumption(self) -> str:
         """What the estimators assume of its token mixers that are not softmax attention ("" for a
         model with none): their torch code, as transformers runs it without kernels."""
@@ -2259,3 +2273,18 @@ def _tuples(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     return value
+
+
+@functools.lru_cache(maxsize=64)
+def _context_parallel_refusal(spec: ModelSpec) -> str:
+    mixers = sorted({k.mixer for _, k in spec.layer_kinds() if k.mixer})
+    if mixers:
+        return f"its {', '.join(mixers)} layers carry a state along the sequence, which no rank passes on"
+    cfg = spec.to_hf_config()
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - {"full_attention"})
+        return f"its {', '.join(other)} layers are not full causal attention" if other else ""
+    window = getattr(cfg, "sliding_window", None)
+    return f"every layer attends through a sliding window of {window} tokens" if window is not None else ""

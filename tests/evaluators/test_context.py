@@ -27,6 +27,7 @@ from tests.conftest import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("ring_probe.py")
+EXACT = Path(__file__).with_name("ring_exact.py")
 
 
 def _ctx(seq: int, global_batch: int, gpus: str = "2xH100") -> Target:
@@ -39,16 +40,21 @@ def _plan(cp: int, grad_accum: int = 2, **kw) -> Plan:
 
 
 # -- the ring's buffers against torch's code --------------------------------------------------------
+def _torchrun(script: Path, ranks: int) -> dict:
+    """``script`` on ``ranks`` gloo ranks; rank 0's last line, as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[:4000]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ring_buffers_bound_torchs_own_ring_on_cpu_ranks(ranks):
     """torch's _templated_ring_attention and its backward, with the CPU flash kernel, on gloo ranks:
     the formula bounds the worst rank's excess over the local kernel (the worst of three runs: how long
     a buffer lives depends on when the collective reading it completes), by at most 40%."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), str(PROBE)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[:4000]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = _torchrun(PROBE, ranks)
     for dtype, cb in (("bfloat16", 2), ("float32", 4)):
         elements = result[dtype]["elements"]
         forward, backward = context.ring_bytes(elements, elements, result[dtype]["rows"], cb, ranks)
@@ -145,7 +151,37 @@ def test_plan_problems_say_what_context_parallelism_needs():
     validate_plan(ok, model, cluster, wl)
 
 
-def test_measured_refuses_with_the_reason():
-    ctx = _ctx(512, 2, gpus="2xcpu")
-    assert "no CPU kernel" in not_measurable(_plan(2), ctx, "cpu")
-    assert "does not run context parallelism" in not_measurable(_plan(2), _ctx(512, 2), "cuda")
+def test_a_model_with_more_than_full_causal_attention_is_refused():
+    """accelerate refuses what transformers' ``supports_context_parallel`` refuses (a sliding window,
+    layer types other than full attention), at launch; autofit says so before, and searches none.
+    A mixer's state along the sequence is refused as well."""
+    from tests.evaluators.test_mixers import tiny_mixed
+
+    cluster, wl = parse_cluster("4xH100"), Workload(seq_len=8192, global_batch=8)
+    plan = Plan(micro_batch=1, grad_accum=4, sharding="fsdp", context_parallel=2)
+    assert MODELS["llama-3.1-8b"].context_parallel_refusal == ""
+    refused = {
+        "mistral-7b": "sliding window of 4096 tokens",
+        "gemma-2-9b": "sliding_attention layers",
+        "qwen2.5-7b": "",  # use_sliding_window false: every layer full attention
+    }
+    for name, why in refused.items():
+        assert why in MODELS[name].context_parallel_refusal and bool(why) == bool(MODELS[name].context_parallel_refusal)
+        problems = " | ".join(plan_problems(plan, MODELS[name], cluster, wl))
+        assert ("full causal attention only" in problems) == bool(why), (name, problems)
+    assert "carry a state along the sequence" in tiny_mixed("bamba").context_parallel_refusal
+
+
+def test_the_measured_evaluator_runs_context_parallelism():
+    """On the CPU through the ring handler of evaluators/ring.py (test_measured_slow.py runs it)."""
+    assert not_measurable(_plan(2), _ctx(512, 2, gpus="2xcpu"), "cpu") == ""
+    assert not_measurable(_plan(2), _ctx(512, 2), "cuda") == ""
+
+
+def test_the_cpu_ring_handler_is_torchs_ring_exactly():
+    """evaluators/ring.py on 2 gloo ranks inside torch's context_parallel: output and gradients of a
+    causal, grouped-key attention equal one rank's over the whole sequence (fp32 to 1e-5; bf16 to its
+    rounding: the ring merges chunks in fp32, the whole-sequence kernel in one pass)."""
+    result = _torchrun(EXACT, 2)
+    assert max(result["float32"]) < 1e-5, result
+    assert max(result["bfloat16"]) < 0.07, result
