@@ -194,11 +194,18 @@ class PlanTrainer(Trainer):
         return applied
 
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        cpu = not torch.cuda.is_available()
+        # accelerate refuses a ParallelismConfig on the CPU before FSDP could be selected: attached below
+        with engines.parallelism_deferred() if cpu else contextlib.nullcontext():
+            super().create_accelerator_and_postprocess()
         # accelerate runs an FSDP config undistributed on the CPU; switch as the measured runs do
         self.fsdp_switched = engines.fsdp_on_cpu(self.accelerator)
         if self.fsdp_switched:
             self.is_fsdp_enabled = True
+        if self.plan.context_parallel > 1 and cpu:
+            from autofit.evaluators import ring
+
+            ring.register()  # torch's ring has no handler for the CPU's attention kernel
 
     def create_optimizer(self, model: torch.nn.Module | None = None):
         if not self.plan.optimizer_in_backward:
@@ -208,7 +215,8 @@ class PlanTrainer(Trainer):
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.tokens += runtime.real_tokens(inputs)
+        # a context-parallel rank trains on 1/cp of each row's tokens (the Trainer shards them next)
+        self.tokens += runtime.real_tokens(inputs) // self.plan.context_parallel
         # Liger's RoPE stand-in rotates in forward, backward and any checkpoint recompute
         with fused.rope(self._rope) if self._rope is not None else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
@@ -264,11 +272,21 @@ def _rank_figures(trainer: PlanTrainer) -> dict[str, Any]:
         "checkpointed_layers": _checkpointed_layers(runtime.unwrap(trainer.model_wrapped)),
         "applied": trainer.applied,
         "offloaded_bytes": trainer._offload.offloaded_bytes if trainer._offload is not None else 0,
+        "cpu_ring_calls": _cpu_ring_calls(trainer.plan),
         "engine": {
             **engines.describe(trainer.accelerator, trainer.model_wrapped, trainer.optimizer),
             "fsdp_applied_by": engines.fsdp_applied_by(trainer.accelerator, trainer.fsdp_switched),
         },
     }
+
+
+def _cpu_ring_calls(plan: Plan) -> dict[str, int] | None:
+    """Attention calls through the CPU ring handler (``evaluators/ring.py``), where it is registered."""
+    if plan.context_parallel == 1 or torch.cuda.is_available():
+        return None
+    from autofit.evaluators import ring
+
+    return dict(ring.calls)
 
 
 def _checkpointed_layers(model: torch.nn.Module) -> list[int]:

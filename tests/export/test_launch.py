@@ -178,3 +178,32 @@ def test_a_derived_model_type_exports_and_launches(tmp_path, local_olmo2):
         e = r["engine"]
         assert e["distributed_type"] == "FSDP" and e["checkpoint_wrappers"] == 2
         assert e["fsdp_param_type"] == "DTensor" and e["model_class"] == "FSDPPeftModelForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def local_llama(tmp_path_factory) -> Path:
+    """A tiny Llama (full causal attention, which context parallelism needs), in one folder."""
+    return _model_folder(tmp_path_factory.mktemp("llama"), tiny("llama-3.2-1b"))
+
+
+@pytest.mark.slow
+def test_a_context_parallel_export_runs_the_ring_on_two_cpu_ranks(tmp_path, local_llama):
+    """The exported parallelism_config, unchanged: the Trainer's own context parallelism (its
+    shift_labels, position_ids and maybe_context_parallel) over FSDP2 on both ranks, the ring through
+    evaluators/ring.py on the CPU; each rank counts half of every row's tokens."""
+    plan = dict(precision="bf16-mixed", micro_batch=1, grad_accum=2, sharding="fsdp", context_parallel=2)
+    _, result = _launch(tmp_path, local_llama, "2xA10", 2, attention="sdpa", **plan)
+    assert result["got"]["world_size"] == 2
+    tokens = [r["tokens"] for r in result["ranks"]]
+    for r in result["ranks"]:
+        e = r["engine"]
+        assert e["distributed_type"] == "FSDP" and e["fsdp_local_numel"] * 2 == e["fsdp_global_numel"]
+        assert e["context_parallel"] == {
+            "cp_size": 2,
+            "dp_shard_size": 1,
+            "cp_comm_strategy": "allgather",
+            "mesh": ["cp"],
+        }
+        # every attention call of 3 steps × 2 micro-batches × 2 layers went through the ring, both ways
+        assert r["cpu_ring_calls"] == {"forward": 12, "backward": 12}
+    assert tokens[0] == tokens[1] > 0  # the same rows on both ranks
