@@ -39,11 +39,11 @@ The key width is the model's key/value heads: with no attention mask (context pa
 has none) transformers' ``sdpa_attention_forward`` passes grouped keys unrepeated
 (``use_gqa_in_sdpa``).
 
-Why not traced: the ring needs a process group, and torch 2.13 registers its handlers for the
-CUDA SDPA kernels only (on the CPU, ``aten._scaled_dot_product_flash_attention_for_cpu`` has
-no sharding strategy: docs/FIELD-NOTES.md), so the step cannot run on fake CPU tensors as it
-is. The simulator traces the local step and adds these terms from the same functions as the
-analytic evaluator; the answer says so (:func:`note`).
+Why not traced: the ring exchanges keys and values with the group's other ranks, and the
+simulator traces one rank with no process group (torch 2.13 also registers its handlers for
+the CUDA SDPA kernels only; the measured child runs it on CPU ranks through
+``evaluators/ring.py``). The simulator traces the local step and adds these terms from the
+same functions as the analytic evaluator; the answer says so (:func:`note`).
 """
 
 from __future__ import annotations
