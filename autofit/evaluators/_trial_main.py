@@ -457,10 +457,10 @@ class Trial:
             if step == compile_at:
                 self._compile(runner, dev)
             injected_fault(plan.plan_id, step)
-            # warm-up steps take the worst case of the length distribution (memory),
-            # timed steps samples of it (speed); ranks see different data
-            # ranks see different data, but a context-parallel group the same rows, each rank training on
-            # 1/cp of their tokens (accelerate's mesh: dp_shard outer, cp inner)
+            # warm-up steps take the worst case of the length distribution (memory), timed steps
+            # samples of it (speed); ranks see different data, but the ranks of a context-parallel
+            # group the same rows, each training on 1/cp of their tokens (accelerate's mesh puts cp
+            # inside dp_shard)
             row = step * (self.world // cp) + self.rank // cp
             batches = rt.batches_for(spec, plan, wl, dev, step=row, worst_case=step < warmup)
             n_tok = sum(rt.real_tokens(b) for b in batches) // cp

@@ -899,7 +899,7 @@ def compile_checkpointed_blocks() -> None:
     ``CompileableContextVar`` inside every decoder layer's forward. Under
     ``torch.utils.checkpoint`` (reentrant or not, every k-th layer or op-level policy alike) dynamo
     refuses that side effect inside the checkpoint's higher-order op ("HOP: Unsafe side effect",
-    torch/_dynamo/variables/higher_order_ops.py) and runs the whole block eagerly: a compiled plan
+    torch/_dynamo/side_effects.py) and runs the whole block eagerly: a compiled plan
     with checkpointing would compile nothing (docs/FIELD-NOTES.md, 2026-12-06). With
     ``skip_fwd_side_effects_in_bwd_under_checkpoint`` dynamo traces the block into the checkpoint's
     op and does not replay that side effect in the recompute, which only the capture of hidden
