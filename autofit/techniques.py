@@ -199,8 +199,20 @@ def model_notes(spec: ModelSpec, plan: Plan) -> dict[str, str]:
 
 
 def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
-    """The Linear layers LoRA adapts, named as PEFT matches them (suffixes of module names)."""
-    return [n for n, _, _, part in spec.linears() if plan.lora_targets.covers(part)]
+    """The Linear layers LoRA adapts, named as PEFT matches them (suffixes of module names).
+
+    A registered MoE block's shared-expert MLP is named with its module (``shared_expert.gate_proj``):
+    PEFT 0.22 rewrites a Qwen2-MoE target that is or ends in ``.gate_proj``/``.up_proj``/``.down_proj``
+    into LoRA on every routed expert's fused 3-D weights as well, unless no routed expert's parameter
+    ends in the rewritten name (``peft.utils.transformers_weight_conversion._convert_peft_config_moe``).
+    The qualified name still matches the one Linear it means, under every PEFT version.
+    """
+    shared = {spec.family.mlp_out, *spec.family.mlp_in} if spec.family.moe and not spec.derived else set()
+    return [
+        f"shared_expert.{n}" if n in shared else n
+        for n, _, _, part in spec.linears()
+        if plan.lora_targets.covers(part)
+    ]
 
 
 def lora_kwargs(spec: ModelSpec, plan: Plan) -> dict[str, Any]:

@@ -132,10 +132,12 @@ def test_qwen3_moe_with_dense_layers_is_a_hybrid_stack(tmp_path):
 def test_lora_adapts_the_linears_and_leaves_experts_and_router_whole(family):
     """transformers' experts are 3-D parameters and the router a plain one: PEFT's
     target_modules and bitsandbytes' Linear replacement match none of them; a shared expert
-    and its gate are Linears, which they match."""
+    and its gate are Linears, which they match. The names autofit gives PEFT keep the routed
+    experts whole under PEFT 0.22 too, which rewrites a bare ``down_proj`` into LoRA on them."""
     import peft
 
     from autofit.evaluators.runtime import hf_model_class
+    from autofit.techniques import lora_kwargs
 
     spec = tiny(family)
     names = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -145,9 +147,10 @@ def test_lora_adapts_the_linears_and_leaves_experts_and_router_whole(family):
     with torch.device("meta"):
         model = hf_model_class(spec).from_config(spec.to_hf_config())
     assert sum(p.numel() for p in model.parameters()) == spec.n_params
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=[n for n, *_ in spec.linears()]))
-    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    assert trainable == spec.lora_params(8)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**lora_kwargs(spec, Plan(method="lora", lora_rank=8))))
+    trainable = {n: p.numel() for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert not [n for n in trainable if ".experts." in n]
+    assert sum(trainable.values()) == spec.lora_params(8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
