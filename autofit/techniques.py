@@ -209,9 +209,7 @@ def lora_target_names(spec: ModelSpec, plan: Plan) -> list[str]:
     """
     shared = {spec.family.mlp_out, *spec.family.mlp_in} if spec.family.moe and not spec.derived else set()
     return [
-        f"shared_expert.{n}" if n in shared else n
-        for n, _, _, part in spec.linears()
-        if plan.lora_targets.covers(part)
+        f"shared_expert.{n}" if n in shared else n for n, _, _, part in spec.linears() if plan.lora_targets.covers(part)
     ]
 
 
