@@ -1,5 +1,8 @@
+import fcntl
 import os
 import secrets
+import tempfile
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine
@@ -12,6 +15,83 @@ pytest_plugins = ("tests.showcase",)  # session-wide studies for the report, plo
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist every worker shares the machine's cores: one torch thread each (the workers
+# are the parallelism), inherited by the children tests launch. Set before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# -- tests that must not run beside others (tests/README.md, "Parallel workers") --
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "alone(reason): runs with no other test beside it under pytest-xdist (it restarts a service the "
+        "others use, or its assertions time something); the reason says which",
+    )
+    config.addinivalue_line(
+        "markers",
+        "ranks(reason): launches several processes that each take a core; under pytest-xdist no two such "
+        "tests run at once (a single-process test may run beside one)",
+    )
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each holds torch, transformers and its own
+    session fixtures: about 2 GiB)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+class _WorkerLocks:
+    """File locks that the xdist workers of one run share (``flock``: released if a worker dies).
+
+    ``alone`` is a readers-writer lock with writer preference: every test holds ``shared`` for
+    reading, an ``alone`` test holds it for writing; the ``turnstile`` that an ``alone`` test
+    keeps while it waits stops the other worker from starting its next test meanwhile.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        folder = Path(tempfile.gettempdir()) / f"autofit-xdist-{run_id}"
+        folder.mkdir(exist_ok=True)
+        self.fds = {n: os.open(folder / n, os.O_CREAT | os.O_RDWR) for n in ("turnstile", "shared", "ranks")}
+
+    def lock(self, name: str, mode: int) -> None:
+        fcntl.flock(self.fds[name], mode)
+
+    def unlock(self, name: str) -> None:
+        fcntl.flock(self.fds[name], fcntl.LOCK_UN)
+
+
+_LOCKS: _WorkerLocks | None = None
+
+
+@pytest.fixture(autouse=True)
+def _xdist_exclusion(request):
+    """Serialise ``alone`` and ``ranks`` tests across the xdist workers; nothing without xdist."""
+    global _LOCKS
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:
+        yield
+        return
+    if _LOCKS is None:
+        _LOCKS = _WorkerLocks(run_id)
+    alone = request.node.get_closest_marker("alone") is not None
+    ranks = request.node.get_closest_marker("ranks") is not None
+    _LOCKS.lock("turnstile", fcntl.LOCK_EX)
+    if alone:
+        _LOCKS.lock("shared", fcntl.LOCK_EX)
+    else:
+        _LOCKS.unlock("turnstile")
+        _LOCKS.lock("shared", fcntl.LOCK_SH)
+    if ranks:
+        _LOCKS.lock("ranks", fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if ranks:
+            _LOCKS.unlock("ranks")
+        _LOCKS.unlock("shared")
+        if alone:
+            _LOCKS.unlock("turnstile")
 
 
 def tiny(name: str, layers: int = 2, **overrides):

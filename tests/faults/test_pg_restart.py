@@ -15,7 +15,11 @@ import pytest
 
 from autofit.store import Store
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres,
+    pytest.mark.alone("it restarts the PostgreSQL server that other workers' tests are using"),
+]
 
 
 def _cluster():
