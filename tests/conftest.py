@@ -173,11 +173,19 @@ def store(db_url):
 @pytest.fixture(autouse=True, scope="session")
 def _census_cache(tmp_path_factory):
     """The analytic evaluator's censuses kept in one folder for the session (its CLI subprocesses
-    too), never the user's cache: each is run once per session (evaluators/census_cache.py)."""
+    too), never the user's cache: each is run once per session (evaluators/census_cache.py).
+    The xdist workers of one run share the folder (the run's common temporary root): a census is
+    named by what it depends on and written whole by an atomic rename, so a worker reads another's
+    or writes the same numbers again, and none runs a census another has run."""
     from autofit.evaluators import census_cache
 
     old = os.environ.get(census_cache.ENV_VAR)
-    os.environ[census_cache.ENV_VAR] = str(tmp_path_factory.mktemp("census"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "census"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("census")
+    os.environ[census_cache.ENV_VAR] = str(folder)
     yield
     if old is None:
         os.environ.pop(census_cache.ENV_VAR, None)
