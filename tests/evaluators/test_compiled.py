@@ -1,6 +1,7 @@
 """torch.compile of the blocks: the stand-in (evaluators/compiled.py) against inductor on real CPU
 tensors, the fusion count, and what the estimators make of it."""
 
+import functools
 import shutil
 
 import pytest
@@ -23,9 +24,11 @@ PLANS = [
 ]
 
 
-def _block_saves(spec, plan, how: str) -> tuple[int, list[torch.Tensor]]:
+@functools.cache
+def _block_saves(spec, plan, how: str) -> tuple[int, tuple[torch.Tensor, ...]]:
     """Bytes of the distinct storages the first block saves for backward (parameters left out), and
-    its parameters' gradients, on real CPU tensors."""
+    its parameters' gradients, on real CPU tensors (each run once: the eager and stand-in runs serve
+    both tests below)."""
     torch.manual_seed(0)
     net = rt.build_model(spec, plan)
     block = [m for m in net.modules() if type(m).__name__ == spec.family.decoder_layer][0]
@@ -50,7 +53,7 @@ def _block_saves(spec, plan, how: str) -> tuple[int, list[torch.Tensor]]:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             out = net(**batch, use_cache=False)
     out.loss.backward()
-    return sum(seen.values()), [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    return sum(seen.values()), tuple(p.grad.clone() for p in block.parameters() if p.grad is not None)
 
 
 @pytest.mark.slow

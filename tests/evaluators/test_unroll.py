@@ -15,6 +15,7 @@ benchmarks/unroll_check.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -49,7 +50,7 @@ IN_BWD = dict(precision="bf16-true", attention="sdpa", checkpointing="full", opt
 FUSED = dict(
     precision="bf16-mixed", attention="sdpa", fused_kernels=True, checkpointing="full", micro_batch=1, grad_accum=2
 )
-# every second block checkpointed: the unroll's period covers the pattern (10 layers: 3 periods of 2 and more)
+# every second block checkpointed: the unroll's period covers the pattern (8 layers: 3 periods of 2 and one more)
 SELECTIVE = dict(precision="bf16-true", attention="sdpa", checkpointing="selective", checkpoint_every=2, micro_batch=2)
 PLANS = {
     "full": FULL,
@@ -136,7 +137,11 @@ def assert_same(unrolled, full):
 
 
 def case(family: str, plan_name: str):
-    spec = tiny(family, layers=10 if family == "gemma-2-9b" or plan_name == "selective" else 5)
+    """The fewest layers that unroll: one more period than the 3 traced (4 layers; 8 where the
+    period is 2: gemma-2's alternating attention, checkpointing every second block), so the
+    template block is copied twice."""
+    period = 2 if family == "gemma-2-9b" or plan_name == "selective" else 1
+    spec = tiny(family, layers=4 * period)
     kw = dict(PLANS[plan_name])
     if kw["attention"] not in spec.family.attn_impls:
         kw["attention"] = "eager"
@@ -173,7 +178,7 @@ def test_an_unrolled_trace_agrees_with_a_real_cpu_step():
     """The real-CPU agreement of test_simulated, on a model deep enough to be unrolled."""
     from tests.evaluators.test_simulated import assert_matches, measure
 
-    spec = tiny("llama-2-7b", layers=5)
+    spec = tiny("llama-2-7b", layers=4)
     plan = Plan(precision="bf16-mixed", checkpointing="full", micro_batch=1, grad_accum=2)
     workload = Workload(seq_len=128, global_batch=2)
     trace = run_trace(spec, plan, workload, TraceDevice("cpu"))
@@ -189,7 +194,7 @@ def test_where_the_events_do_not_repeat_every_layer_is_traced(monkeypatch):
 
     monkeypatch.setattr(unroll, "unroll", refuse)
     trace = run_trace(spec, plan, workload, TraceDevice("cpu"))
-    assert trace.timings["layers_traced"] == 5
+    assert trace.timings["layers_traced"] == 4
     assert trace.timings["unroll_failed"] == "a free reaches a layer the model does not have"
 
 
@@ -257,18 +262,19 @@ def test_the_evaluator_says_how_many_layers_it_traced():
     "model_type,depth",
     [
         ("qwen2_moe", unroll.Depth(8, 2)),
-        ("glm4_moe", unroll.Depth(8, 1, head=1)),
-        ("deepseek_v3", unroll.Depth(8, 1, 1)),
+        ("glm4_moe", unroll.Depth(5, 1, head=1)),
+        ("deepseek_v3", unroll.Depth(5, 1, 1)),
     ],
 )
 @pytest.mark.parametrize("plan_name", ["lora-ckpt", "full-bf16"])
 def test_a_hybrid_stack_unrolls_by_the_period_of_its_kinds(model_type, depth, plan_name):
     """Qwen2-MoE with every other layer dense (decoder_sparse_step 2) repeats every 2 layers: 6 are
     traced and unrolled to 8. GLM-4.5 and DeepSeek-V3 with a first dense layer repeat after it: that
-    layer is a head before the first block, 4 are traced. Event for event the full trace."""
+    layer is a head before the first block, 4 are traced and unrolled to 5. Each the fewest layers
+    that unroll; event for event the full trace."""
     from tests.evaluators.test_derived import tiny_hybrid
 
-    spec = tiny_hybrid(model_type, layers=8)
+    spec = tiny_hybrid(model_type, layers=depth.total)
     assert simulated.trace_depth(spec) == depth
     plan = {
         "lora-ckpt": Plan(method="lora", lora_rank=8, precision="bf16-mixed", micro_batch=2, checkpointing="full"),
@@ -296,11 +302,18 @@ def test_a_head_before_the_periods():
 
 def test_a_pattern_that_repeats_after_an_offset_unrolls_with_a_head():
     """Gemma-3 1B's 26 layers: its 5:1 sliding:full pattern repeats over the last 24, so 2 layers are
-    a head and 20 are traced (before heads, all 26 were); event for event the full trace."""
+    a head and 20 are traced (before heads, all 26 were). Traced both ways at the fewest layers with
+    a head: a 2:1 pattern over 13 layers repeats over the last 12, so 1 layer is a head and 10 are
+    traced; event for event the full trace."""
     from tests.evaluators.test_derived import tiny_derived
 
-    spec = tiny_derived("gemma3_text", layers=26)
-    assert simulated.trace_depth(spec) == unroll.Depth(26, 6, head=2)
+    assert simulated.trace_depth(tiny_derived("gemma3_text", layers=26)) == unroll.Depth(26, 6, head=2)
+    base = tiny_derived("gemma3_text")
+    pattern = tuple("full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(13))
+    extra = tuple((k, v) for k, v in base.hf_extra if k != "layer_types") + (("layer_types", pattern),)
+    spec = dataclasses.replace(base, hf_extra=extra).variant(num_layers=13, name="tiny-gemma3_text-2to1")
+    assert spec.to_hf_config().layer_types == list(pattern)
+    assert simulated.trace_depth(spec) == unroll.Depth(13, 3, head=1)
     plan = Plan(precision="bf16-true", micro_batch=1, checkpointing="full")
     workload = Workload(seq_len=128, global_batch=1)
     target = TraceDevice("cuda", (8, 0))
