@@ -50,6 +50,7 @@ def _torchrun(script: Path, ranks: int) -> dict:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.ranks("torchrun starts 2 or 4 gloo ranks, a core each")
 def test_ring_buffers_bound_torchs_own_ring_on_cpu_ranks(ranks):
     """torch's _templated_ring_attention and its backward, with the CPU flash kernel, on gloo ranks:
     the formula bounds the worst rank's excess over the local kernel (the worst of three runs: how long
@@ -178,6 +179,7 @@ def test_the_measured_evaluator_runs_context_parallelism():
     assert not_measurable(_plan(2), _ctx(512, 2), "cuda") == ""
 
 
+@pytest.mark.ranks("torchrun starts 2 or 4 gloo ranks, a core each")
 def test_the_cpu_ring_handler_is_torchs_ring_exactly():
     """evaluators/ring.py on 2 gloo ranks inside torch's context_parallel: output and gradients of a
     causal, grouped-key attention equal one rank's over the whole sequence (fp32 to 1e-5; bf16 to its

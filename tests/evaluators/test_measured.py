@@ -192,7 +192,8 @@ FAULTS = {
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory):
-    """Every single-process trial of this module, two at a time (the children mostly import)."""
+    """Every single-process trial of this module, two at a time without xdist (the children mostly
+    import); two warm-up steps (tracked: the peak) and one timed step each."""
     from concurrent.futures import ThreadPoolExecutor
 
     work = tmp_path_factory.mktemp("trials")
@@ -201,12 +202,13 @@ def single_runs(tmp_path_factory):
 
     def run(name):
         plan, ctx, env = jobs[name]
-        ev = MeasuredEvaluator(warmup_steps=2, timed_steps=2, timeout_s=300, env={**ENV, **env}, work_dir=work)
+        ev = MeasuredEvaluator(warmup_steps=2, timed_steps=1, timeout_s=300, env={**ENV, **env}, work_dir=work)
         steps = []
         r = ev.evaluate(plan, ctx, on_step=lambda s: steps.append(s) or True)
         return r, steps, ctx
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # under pytest-xdist the workers already keep the cores busy: one trial at a time there
+    with ThreadPoolExecutor(max_workers=1 if os.environ.get("PYTEST_XDIST_WORKER") else 2) as pool:
         return dict(zip(jobs, pool.map(run, jobs)))
 
 
@@ -228,9 +230,9 @@ def test_a_single_process_trial_measures_memory_and_speed(single_runs, name):
         assert e["tokens_per_step"] == 4 * 128
     else:  # real tokens only: sequences of 24 or 128 tokens, 4 a step, padding not counted
         assert e["tokens_per_step"] in {4 * 24 + 104 * k for k in range(5)} - {4 * 128}
-    assert len(e["step_times_s"]) == 2 and e["loss_finite"]
+    assert len(e["step_times_s"]) == 1 and e["loss_finite"]
     # one progress report per step, the peak never shrinking, the last one the trial's peak
-    assert [s.step for s in steps] == [0, 1, 2, 3]
+    assert [s.step for s in steps] == [0, 1, 2]
     assert [s.peak_bytes for s in steps] == sorted(s.peak_bytes for s in steps)
     assert steps[-1].peak_bytes == m.peak_allocated
 

@@ -28,6 +28,10 @@ pytestmark = pytest.mark.slow
 
 MiB = 2**20
 ENV = {"OMP_NUM_THREADS": "1"}
+# the two warm-up steps hold the peak (the optimizer's states exist from step 0's end); one timed
+# step gives tokens/s: more would only lengthen each run
+TWO_RANK_RUN = dict(warmup_steps=2, timed_steps=1, timeout_s=400, env=ENV)
+TWO_RANKS = pytest.mark.ranks("two CPU ranks, a core each")
 
 
 def ctx_for(gpus: str, budget: str = "1GiB", headroom: float = 0.05, **workload) -> Target:
@@ -64,11 +68,12 @@ TWO_RANK = {
 
 
 @pytest.mark.parametrize("name", list(TWO_RANK))
+@TWO_RANKS
 def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
     ctx = ctx_for("2xcpu")
     plan = TWO_RANK[name]
     t0 = time.perf_counter()
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     wall = time.perf_counter() - t0
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     e = r.extra
@@ -129,13 +134,14 @@ ZERO_BEYOND = {
 
 
 @pytest.mark.parametrize("name", list(ZERO_BEYOND))
+@TWO_RANKS
 def test_zero_estimates_cover_the_measured_peak(name, tmp_path):
     from autofit.evaluators.simulated import SimulatedEvaluator
 
     model, plan = ZERO_BEYOND[name]
     wl = Workload(seq_len=64, global_batch=8 if plan.grad_accum == 2 else 4)
     ctx = Target(tiny(model), with_cpu_budget(parse_cluster("2xcpu"), "1GiB"), wl, 0.05)
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     assert r.extra["engine"]["zero_stage"] == plan.zero_stage and r.extra["engine"]["world_size"] == 2
     measured = r.memory.peak_allocated
@@ -144,12 +150,13 @@ def test_zero_estimates_cover_the_measured_peak(name, tmp_path):
         assert -0.01 <= gap <= 0.10, f"{name}: {gap:+.1%} against the measured {measured / MiB:.2f} MiB"
 
 
+@TWO_RANKS
 def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
     """LLM.int8 base weights under DeepSpeed ZeRO-2 (ZeRO-3 and FSDP are refused): every block
     Linear is bitsandbytes' Linear8bitLt on each rank, and the analytic peak is within its ±4%."""
     ctx = ctx_for("2xcpu")
     plan = Plan(method="lora-8bit", lora_rank=8, precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2")
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     eng = r.extra["engine"]
     spec = tiny("mistral-7b")
@@ -160,6 +167,7 @@ def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
     assert -0.02 <= gap <= 0.12, gap
 
 
+@pytest.mark.alone("its 12 s trial timeout must fall after step 0: load delays the child's start past it")
 def test_a_hanging_child_times_out_and_leaves_no_process():
     # the hang ignores SIGTERM: the parent must escalate to SIGKILL
     ev = MeasuredEvaluator(timeout_s=12, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})
@@ -175,6 +183,7 @@ def test_a_hanging_child_times_out_and_leaves_no_process():
     assert not alive(rank["pid"]) and not session_members(rank["pid"])
 
 
+@TWO_RANKS
 def test_a_hanging_two_rank_launch_leaves_no_process():
     """torchrun starts each worker in a session of its own: killing the launcher's group is not enough."""
     ev = MeasuredEvaluator(timeout_s=25, env={**ENV, "AUTOFIT_TEST_TRIAL_FAULT": "hang@1"})
@@ -193,7 +202,9 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
     from autofit.search.space import Allowed, SearchSpace
     from autofit.store import Store
 
-    ctx = ctx_for("1xcpu", budget="1GiB", seq_len=256)
+    # 4 sequences of 64 tokens a step: the first three (full, lora, qlora at mb4) still need
+    # budgets far enough apart, and a later plan runs its three steps in a few seconds
+    ctx = ctx_for("1xcpu", budget="1GiB", global_batch=4)
     allowed = Allowed()
     space = SearchSpace(ctx, allowed)
     first = [space.suggest(_Replay(p)) for p in candidates(screen(space), 3)]
@@ -209,8 +220,10 @@ def test_the_search_goes_on_after_a_crash_a_hang_and_an_oom(tmp_path):
         ctx=ctx,
         allowed=allowed,
         evaluator="measured",
-        trials=6,
+        trials=6,  # the search enqueues trials // 2 of the screen's picks: the three faults
         evaluator_options={
+            "warmup_steps": 2,
+            "timed_steps": 1,
             "timeout_s": 15,
             "cpu_mem_budget": budget,
             "env": {**ENV, "AUTOFIT_TEST_TRIAL_FAULT": faults},
@@ -281,6 +294,7 @@ def _trial_children() -> list[int]:
     return out
 
 
+@TWO_RANKS
 def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
     """Mixtral's 3-D expert parameters sharded by FSDP2 on dim 0 (experts split over the ranks),
     launched from the exported files: it fits and the analytic peak covers it, by at most 12%.
@@ -289,7 +303,7 @@ def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
     spec = tiny("mixtral-8x7b")
     ctx = Target(spec, with_cpu_budget(parse_cluster("2xcpu"), "1GiB"), Workload(seq_len=64, global_batch=8), 0.05)
     plan = Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="fsdp", checkpointing="full")
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     eng = r.extra["engine"]
     assert eng["distributed_type"] == "FSDP" and eng["fsdp_local_numel"] * 2 == eng["fsdp_global_numel"]
@@ -298,6 +312,7 @@ def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
     assert -0.02 <= gap <= 0.12, gap
 
 
+@TWO_RANKS
 def test_op_level_checkpointing_measured_on_two_zero2_ranks(tmp_path):
     """Op-level selective checkpointing (torchtitan's SelectiveAC) through DeepSpeed ZeRO-2 in a real
     two-rank run: every block checkpointed under the policy, and both estimators cover the measured
@@ -307,7 +322,7 @@ def test_op_level_checkpointing_measured_on_two_zero2_ranks(tmp_path):
     ctx = ctx_for("2xcpu")
     plan = Plan(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", checkpointing="selective")
     plan = plan.replace(checkpoint_ops=True)
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     eng = r.extra["engine"]
     assert eng["zero_stage"] == 2 and eng["world_size"] == 2 and eng["checkpointing"]
@@ -318,6 +333,7 @@ def test_op_level_checkpointing_measured_on_two_zero2_ranks(tmp_path):
         assert -0.03 <= gap <= 0.12, f"{gap:+.1%} against the measured {measured / MiB:.2f} MiB"
 
 
+@TWO_RANKS
 def test_context_parallelism_trains_whole_rows_on_two_cpu_ranks(tmp_path):
     """Two ranks of one context-parallel group, launched from the exported files (FSDP2 over both,
     accelerate's ParallelismConfig, its maybe_context_parallel around each micro-batch, the CPU ring of
@@ -330,7 +346,7 @@ def test_context_parallelism_trains_whole_rows_on_two_cpu_ranks(tmp_path):
     wl = Workload(seq_len=64, global_batch=4)
     ctx = Target(spec, with_cpu_budget(parse_cluster("2xcpu"), "1GiB"), wl, 0.05)
     plan = Plan(precision="32-true", micro_batch=1, grad_accum=4, sharding="fsdp", context_parallel=2)
-    r = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    r = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert r.status is Status.FITS, (r.reason, r.extra.get("stderr_tail"))
     eng = r.extra["engine"]
     assert eng["distributed_type"] == "FSDP" and eng["fsdp_local_numel"] * 2 == eng["fsdp_global_numel"]
@@ -342,7 +358,7 @@ def test_context_parallelism_trains_whole_rows_on_two_cpu_ranks(tmp_path):
     }
     assert r.extra["tokens_per_step"] == 4 * 64  # each row's tokens once, not once per rank
     one = Target(spec, with_cpu_budget(parse_cluster("1xcpu"), "1GiB"), wl, 0.05)
-    single = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(
+    single = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(
         Plan(precision="32-true", micro_batch=1, grad_accum=4), one
     )
     assert single.status is Status.FITS, single.reason
@@ -353,7 +369,7 @@ def test_context_parallelism_trains_whole_rows_on_two_cpu_ranks(tmp_path):
     for step in (0, 1):
         assert (31 * first[step] + 32 * second[step]) / 63 == pytest.approx(whole[step], rel=1e-5), step
     plan = plan.replace(precision="bf16-mixed")
-    mixed = MeasuredEvaluator(timeout_s=400, env=ENV, work_dir=tmp_path).evaluate(plan, ctx)
+    mixed = MeasuredEvaluator(**TWO_RANK_RUN, work_dir=tmp_path).evaluate(plan, ctx)
     assert mixed.status is Status.FITS, mixed.reason
     measured = mixed.memory.peak_allocated
     for name, ev in (("analytic", estimate), ("simulated", SimulatedEvaluator().evaluate)):

@@ -130,6 +130,7 @@ def test_one_process_applies_what_the_trainer_has_no_switch_for(tmp_path, local_
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("two launched CPU ranks, a core each")
 def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path, local_model):
     plan = dict(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", attention="sdpa")
     plan.update(checkpointing="selective", checkpoint_ops=True)
@@ -149,6 +150,7 @@ def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path, local_model
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("two launched CPU ranks, a core each")
 def test_fsdp_export_shards_on_two_cpu_ranks(tmp_path, local_model):
     """accelerate alone would run this config as two unsharded copies on the CPU (FIELD-NOTES);
     train.py's PlanTrainer switches to FSDP2 as the measured runs do, and the run proves it."""
@@ -166,6 +168,7 @@ def test_fsdp_export_shards_on_two_cpu_ranks(tmp_path, local_model):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("two launched CPU ranks, a core each")
 def test_a_derived_model_type_exports_and_launches(tmp_path, local_olmo2):
     """OLMo-2 has no registered family: its LoRA targets are the derived Linear names, FSDP wraps
     the class transformers names (``_no_split_modules``), and the exported job runs on two ranks."""
@@ -187,6 +190,7 @@ def local_llama(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("two launched CPU ranks, a core each")
 def test_a_context_parallel_export_runs_the_ring_on_two_cpu_ranks(tmp_path, local_llama):
     """The exported parallelism_config, unchanged: the Trainer's own context parallelism (its
     shift_labels, position_ids and maybe_context_parallel) over FSDP2 on both ranks, the ring through

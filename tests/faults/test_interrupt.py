@@ -25,6 +25,8 @@ ARGS = [
     "8",
     "--evaluator",
     "analytic",
+    "--methods",
+    "lora",  # a third of the default space: each search screens it several times
     "--trials",
     "6",
     "--out",

@@ -78,18 +78,18 @@ def test_measured_cpu_runs_calibrate_later_searches(tmp_path):
         "--cpu-mem-budget",
         "2GiB",
         "--seq-len",
-        "128",
+        "64",
         "--global-batch",
-        "4",
+        "2",
         "--methods",
         "full,lora",
         "--out",
         "",
         "--json",
     ]
-    # 6 trials: on a loaded machine the median pruner stops slower ones at step 2 (1 of 4 seen
-    # here under load; a CI run ended with fewer than MIN_PAIRS fitting of 4), and calibration
-    # learns only from fitting measurements
+    # calibration learns only from fitting measurements: 2 steps a trial (0 and 1), before the
+    # median pruner's first chance at step 2, so a loaded machine cannot prune any of the 4 (with
+    # 3 steps it stopped slower ones: a CI run ended with fewer than MIN_PAIRS fitting of 4)
     measured = subprocess.run(
         [
             sys.executable,
@@ -100,9 +100,9 @@ def test_measured_cpu_runs_calibrate_later_searches(tmp_path):
             "--evaluator",
             "measured",
             "--trials",
-            "6",
+            "4",
             "--steps",
-            "2",
+            "1",
             "--warmup-steps",
             "1",
         ],

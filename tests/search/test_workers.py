@@ -62,6 +62,7 @@ def check_exact_budget(db_url, rec, budget):
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.ranks("three worker processes, a core each")
 def test_three_workers_on_postgresql_split_the_budget_exactly(pg_url):
     rec = make_study(pg_url, trials=15)
     procs = [start_worker(pg_url, rec.name) for _ in range(3)]
@@ -73,6 +74,7 @@ def test_three_workers_on_postgresql_split_the_budget_exactly(pg_url):
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.ranks("three worker processes, a core each")
 def test_three_workers_keep_the_budget_exact_when_the_sampler_proposes_duplicates(pg_url):
     """A small space (180 plans) and a budget of 40 make TPE propose evaluated plans in
     every run; before the fix 3 of 5 such runs stored fewer plans than the budget."""
@@ -86,6 +88,7 @@ def test_three_workers_keep_the_budget_exact_when_the_sampler_proposes_duplicate
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("two worker processes, a core each")
 def test_two_workers_on_sqlite(tmp_path):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     rec = make_study(url, trials=10)
@@ -97,6 +100,7 @@ def test_two_workers_on_sqlite(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks("--parallel 2 starts two worker processes")
 def test_parallel_local_workers_from_the_cli(tmp_path):
     db = f"sqlite:///{tmp_path / 'p.db'}"
     r = CliRunner().invoke(
