@@ -8,6 +8,7 @@ one while the first is being recorded.
 import json
 import signal
 
+import pytest
 from click.testing import CliRunner
 
 from autofit.cli import cli
@@ -32,6 +33,15 @@ ARGS = [
     "--out",
     "",
 ]
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, as at a terminal. A runner started in the background by a shell
+    without job control inherits SIGINT ignored, and Python then installs no handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def only_study(db):
