@@ -1,6 +1,8 @@
 import fcntl
 import os
 import secrets
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -168,6 +170,26 @@ def store(db_url):
 
     with Store(db_url) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def deepspeed_jit_ops():
+    """DeepSpeed's shared-memory all-reduce op, built once for the machine before a test launches
+    DeepSpeed ranks. On the CPU accelerator every process that starts ``deepspeed.comm`` loads it
+    (deepspeed/comm/torch.py: ``TorchBackend.__init__`` calls ``build_shm_op``), and the first one
+    on a machine JIT-compiles it into torch's extensions folder: about 30 s on both cores here,
+    once. Built here, in a child (importing DeepSpeed in this worker would change its torch), that
+    half-minute is this fixture's, not the launched test's (tests/README.md: under 60 s a test).
+    A second worker finds it built; torch's build lock serialises two that ask at once."""
+    code = (
+        "import deepspeed.ops\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+        "if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False):\n"
+        "    b.load()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -69,6 +69,7 @@ TWO_RANK = {
 
 @pytest.mark.parametrize("name", list(TWO_RANK))
 @TWO_RANKS
+@pytest.mark.usefixtures("deepspeed_jit_ops")
 def test_two_ranks_launched_from_the_exported_files(name, tmp_path):
     ctx = ctx_for("2xcpu")
     plan = TWO_RANK[name]
@@ -135,6 +136,7 @@ ZERO_BEYOND = {
 
 @pytest.mark.parametrize("name", list(ZERO_BEYOND))
 @TWO_RANKS
+@pytest.mark.usefixtures("deepspeed_jit_ops")
 def test_zero_estimates_cover_the_measured_peak(name, tmp_path):
     from autofit.evaluators.simulated import SimulatedEvaluator
 
@@ -151,6 +153,7 @@ def test_zero_estimates_cover_the_measured_peak(name, tmp_path):
 
 
 @TWO_RANKS
+@pytest.mark.usefixtures("deepspeed_jit_ops")
 def test_lora_8bit_trains_under_zero2_on_two_ranks(tmp_path):
     """LLM.int8 base weights under DeepSpeed ZeRO-2 (ZeRO-3 and FSDP are refused): every block
     Linear is bitsandbytes' Linear8bitLt on each rank, and the analytic peak is within its ±4%."""
@@ -313,6 +316,7 @@ def test_an_moe_model_trains_under_fsdp2_on_two_ranks(tmp_path):
 
 
 @TWO_RANKS
+@pytest.mark.usefixtures("deepspeed_jit_ops")
 def test_op_level_checkpointing_measured_on_two_zero2_ranks(tmp_path):
     """Op-level selective checkpointing (torchtitan's SelectiveAC) through DeepSpeed ZeRO-2 in a real
     two-rank run: every block checkpointed under the policy, and both estimators cover the measured

@@ -4,7 +4,7 @@ in the export folder, unchanged, on a tiny local model (weights and a tokenizer 
 
 The exported train.py reads its plan from the files beside it and writes what it ran as to
 ``<output-dir>/autofit_result.json`` (every rank's engine facts), which the tests read. The first
-DeepSpeed run on a machine JIT-builds its shm op (about a minute).
+DeepSpeed run on a machine JIT-builds its shm op: the ``deepspeed_jit_ops`` fixture builds it first.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def test_one_process_applies_what_the_trainer_has_no_switch_for(tmp_path, local_
 
 @pytest.mark.slow
 @pytest.mark.ranks("two launched CPU ranks, a core each")
+@pytest.mark.usefixtures("deepspeed_jit_ops")
 def test_zero2_export_launches_as_a_two_rank_deepspeed_job(tmp_path, local_model):
     plan = dict(precision="bf16-mixed", micro_batch=2, grad_accum=2, sharding="zero2", attention="sdpa")
     plan.update(checkpointing="selective", checkpoint_ops=True)
