@@ -31,7 +31,7 @@ def model_dir(tmp_path):
 TRIALS = 3
 
 
-def search_cmd(model_dir, trials, *extra):
+def search_cmd(model_dir, *extra):
     return [
         sys.executable,
         "-m",
@@ -44,7 +44,7 @@ def search_cmd(model_dir, trials, *extra):
         "--evaluator",
         "measured",
         "--trials",
-        str(trials),
+        str(TRIALS),
         "--cpu-mem-budget",
         "2GiB",
         "--seq-len",
@@ -121,7 +121,7 @@ def test_killed_search_resumes_to_its_budget_without_rerunning(tmp_path, model_d
     work = tmp_path / "work"
     env = {**os.environ, "AUTOFIT_DB": db, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        search_cmd(model_dir, TRIALS, "--work-dir", str(work)),
+        search_cmd(model_dir, "--work-dir", str(work)),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -145,7 +145,7 @@ def test_killed_search_resumes_to_its_budget_without_rerunning(tmp_path, model_d
     assert rec.status.value == ("interrupted" if sig == signal.SIGINT else "running")
 
     resumed = subprocess.run(
-        search_cmd(model_dir, TRIALS, "--resume", "--work-dir", str(work)),
+        search_cmd(model_dir, "--resume", "--work-dir", str(work)),
         env=env,
         capture_output=True,
         text=True,
@@ -171,7 +171,7 @@ def test_a_worker_killed_mid_trial_is_noticed_and_the_study_completes(pg_url, tm
     # workers keep node-local options to themselves; their trial dirs follow TMPDIR
     env = {**os.environ, "AUTOFIT_DB": pg_url, "OMP_NUM_THREADS": "1", "TMPDIR": str(work)}
     created = subprocess.run(
-        search_cmd(model_dir, TRIALS, "--workers", "0", "--work-dir", str(work)),
+        search_cmd(model_dir, "--workers", "0", "--work-dir", str(work)),
         env=env,
         capture_output=True,
         text=True,
