@@ -237,10 +237,7 @@ def report(trainer: PlanTrainer, output: Any, path: str | Path | None = None) ->
     """What the plan expected (``plan.json``) beside what this run got, gathered from every rank;
     rank 0 writes it to ``path`` (``<output_dir>/autofit_result.json``) and prints a summary."""
     mine = _rank_figures(trainer)
-    ranks = [mine]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        ranks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(ranks, mine)
+    ranks = engines.gather_objects(mine)
     result = _result(trainer, output, ranks)
     if mine["rank"] == 0:
         path = Path(path or Path(trainer.args.output_dir) / RESULT_NAME)
@@ -251,11 +248,9 @@ def report(trainer: PlanTrainer, output: Any, path: str | Path | None = None) ->
 
 
 def close() -> None:
-    """Leave the process group once every rank is done: a gloo rank that exits inside it can
-    abort at interpreter exit after training finished (docs/FIELD-NOTES.md)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    """Leave the process group once every rank is done (``engines.leave_group``: a gloo rank can
+    otherwise abort at interpreter exit after training finished)."""
+    engines.leave_group()
 
 
 def _rank_figures(trainer: PlanTrainer) -> dict[str, Any]:

@@ -523,23 +523,6 @@ class Trial:
             self.memory.update(peak_allocated=peak, peak_reserved=peak, device_total=peak)
         self.memory.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes())
 
-    def close(self) -> None:
-        """Leave the process group before exiting: gloo's threads abort an interpreter that exits inside it."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
-    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        import torch.distributed as dist
-
-        if self.world > 1 and dist.is_initialized():
-            out: list[Any] = [None] * self.world
-            dist.all_gather_object(out, mine)
-            return out
-        return [mine]
-
 
 @dataclass
 class _Steps:
@@ -646,7 +629,9 @@ def main(argv: list[str]) -> int:
         "engine": out["engine"],
     }
     trial.write(rank_file, mine)
-    ranks = trial.gather(mine)
+    from autofit.evaluators import engines
+
+    ranks = engines.gather_objects(mine)
     if trial.rank == 0:
         times = out["step_times_s"]
         tokens_per_step = sum(sum(r["real_tokens"]) for r in ranks) / max(1, len(times))
@@ -668,7 +653,7 @@ def main(argv: list[str]) -> int:
                 "ranks": ranks,
             },
         )
-    trial.close()
+    engines.leave_group()  # every rank here, the group left: not barrier() (engines.leave_group)
     return 0
 
 

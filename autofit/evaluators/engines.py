@@ -148,3 +148,40 @@ def describe(acc, model, optimizer) -> dict[str, Any]:
 
     out["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     return out
+
+
+def gather_objects(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (one rank: ``[mine]``). End the run with
+    :func:`leave_group`, not ``barrier()``: see there why."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def leave_group() -> None:
+    """Wait for every rank, then leave the default process group, before the interpreter exits.
+
+    Gloo runs a collective on one of its worker threads, and that thread drops the work when it
+    is done; a work holding tensors Python made (``all_gather_object``'s) takes the GIL to free
+    them. Should the interpreter be finalizing by then, the thread exits inside the destructor and
+    the rank aborts after training finished ("terminate called without an active exception",
+    SIGABRT; docs/FIELD-NOTES.md). ``barrier()`` made that likely: a Gloo barrier keeps the works
+    still in progress when it is called (``ProcessGroupGloo::barrier`` snapshots
+    ``workInProgress_`` as weak pointers, ``ProcessGroupGloo.cpp``), so a gather just before it was
+    freed with the barrier's work, on a worker thread, as the process exited (a core dump of the
+    exported FSDP ``train.py`` showed exactly that stack). ``monitored_barrier`` sends and receives
+    a tensor of its own on the calling thread and keeps no work (``monitoredBarrier``); other
+    backends (NCCL) keep ``barrier``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(wait_all_ranks=True)
+    else:
+        dist.barrier()
+    dist.destroy_process_group()
