@@ -180,6 +180,18 @@ def cuda_sdpa_kernel(
     return "math"
 
 
+def sdpa_capability_class(capability: tuple[int, int]) -> tuple[int, int]:
+    """The capability standing for every one :func:`cuda_sdpa_kernel` cannot tell from
+    ``capability`` (it reads only ``>= (5, 0)``, ``>= (8, 0)`` and sm86/sm89): a block's census,
+    whose only CUDA kernel choice is sdpa's, is the same on all of them, and is kept once for
+    them (``traced``; ``tests/evaluators/test_simulated.py`` checks the classes on every catalog GPU)."""
+    if capability in ((8, 6), (8, 9)):
+        return (8, 6)
+    if capability >= (8, 0):
+        return (8, 0)
+    return (5, 0) if capability >= (5, 0) else (0, 0)
+
+
 # -- model states under sharding ---------------------------------------------------------
 @dataclass(frozen=True)
 class StateBytes:

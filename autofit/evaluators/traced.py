@@ -37,6 +37,22 @@ from autofit.techniques import dtype_layout
 LENGTHS = (256, 512)
 
 
+def _by_kernels(census):
+    """``census`` keyed by the kernels it runs, not the GPU: the CPU's, or the class of CUDA
+    capabilities that pick the same sdpa kernel (``costs.sdpa_capability_class``; sdpa is the one
+    kernel choice ``simulated.CudaKernels`` makes by capability). A search that screens other
+    GPUs (``what_it_would_take``) or a later GPU of the same class censuses nothing again."""
+
+    @functools.wraps(census)
+    def keyed(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]):
+        from autofit.evaluators.costs import sdpa_capability_class
+
+        return census(model, plan, cpu, (0, 0) if cpu else sdpa_capability_class(capability))
+
+    keyed.cache_clear = census.cache_clear  # the process's cache (functools.lru_cache) below
+    return keyed
+
+
 def block_terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
     """``(bytes per token, bytes per token per attended position)`` the first block saves (a mixer's
     from its :func:`mixer_work` census, which runs forward and backward anyway)."""
@@ -83,6 +99,7 @@ def _census_plan(plan: Plan) -> Plan:
     )
 
 
+@_by_kernels
 @functools.lru_cache(maxsize=512)
 @census_cache.on_disk(list, tuple)
 def _terms(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> tuple[float, float]:
@@ -168,6 +185,7 @@ def _from_json(cls):
     return lambda data: cls(**{k: tup(v) for k, v in data.items()})
 
 
+@_by_kernels
 @functools.lru_cache(maxsize=256)
 @census_cache.on_disk(dataclasses.asdict, _from_json(CompiledWork))
 def _compiled_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> CompiledWork:
@@ -192,6 +210,7 @@ def eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, 
     return _eager_saved(model, _compiled_key(plan).replace(torch_compile=False), cpu, capability)
 
 
+@_by_kernels
 @functools.lru_cache(maxsize=256)
 @census_cache.on_disk(list, tuple)
 def _eager_saved(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> Terms:
@@ -245,6 +264,7 @@ def mixer_lengths(model: ModelSpec) -> tuple[int, int, int]:
     return (2 * chunk, 3 * chunk, 4 * chunk)
 
 
+@_by_kernels
 @functools.lru_cache(maxsize=256)
 @census_cache.on_disk(dataclasses.asdict, _from_json(MixerWork))
 def _mixer_work(model: ModelSpec, plan: Plan, cpu: bool, capability: tuple[int, int]) -> MixerWork:

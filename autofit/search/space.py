@@ -390,23 +390,21 @@ class SearchSpace:
 
     def enumerate_params(self) -> Iterator[tuple[dict[str, Any], Plan]]:
         """``(params, plan)`` pairs: params are what ``study.enqueue_trial`` needs to get the plan."""
-        for params in self._walk():
-            yield params, self.suggest(_Replay(params))
+        return self._walk()
 
-    def _walk(self) -> Iterator[dict[str, Any]]:
+    def _walk(self) -> Iterator[tuple[dict[str, Any], Plan]]:
         # depth-first over the define-by-run tree: replay a prefix, branch on the first
-        # unanswered question
+        # unanswered question; a prefix that answers every question is a leaf, and its plan
         stack: list[dict[str, Any]] = [{}]
         while stack:
             params = stack.pop()
-            probe = _Replay(params)
             try:
-                self.suggest(probe)
+                plan = self.suggest(_Replay(params))
             except _Unanswered as q:
                 for choice in reversed(q.choices):
                     stack.append({**params, q.name: choice})
                 continue
-            yield params
+            yield params, plan
 
     def size(self) -> int:
         return sum(1 for _ in self._walk())

@@ -263,6 +263,32 @@ def test_cuda_sdpa_kernel_choice(cc, dtype, masked, gqa, expected):
     assert cuda_sdpa_kernel((8, 6), torch.bfloat16, 256, False, False, True) == "efficient"  # sm86: ≤192 with grads
 
 
+def test_a_census_is_kept_once_for_the_gpus_that_pick_the_same_sdpa_kernel(monkeypatch):
+    """``costs.sdpa_capability_class``: every catalog GPU's capability and its class pick the same
+    sdpa kernel whatever the call (so a block's census is the same on both), and a census taken for
+    one GPU of a class is not taken again for another (A10 then L4: sm86 and sm89)."""
+    import itertools
+
+    from autofit.evaluators import costs, traced
+    from autofit.specs import GPUS
+
+    calls = itertools.product(
+        ("bf16", "fp16", "fp32"), (64, 128, 192, 256, 320), (False, True), (False, True), (False, True), (None, 64)
+    )
+    for args in list(calls):
+        for gpu in GPUS.values():
+            cc = gpu.compute_capability
+            assert costs.cuda_sdpa_kernel(cc, *args) == costs.cuda_sdpa_kernel(costs.sdpa_capability_class(cc), *args)
+    runs = []
+    census = traced._run_census
+    monkeypatch.setattr(traced, "_run_census", lambda *a: runs.append(a[4]) or census(*a))
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", "off")  # the process's own cache alone, emptied
+    traced._compiled_work.cache_clear()
+    spec, plan = tiny("llama-3.2-1b", layers=1), Plan(precision="bf16-mixed", torch_compile=True)
+    a10, l4 = (traced.compiled_work(spec, plan, False, GPUS[g].compute_capability) for g in ("A10", "L4"))
+    assert a10 == l4 and runs == [(8, 6)]
+
+
 def test_cuda_kernels_on_fake_cpu_tensors():
     import torch
     import torch.nn.functional as F
