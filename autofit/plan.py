@@ -12,6 +12,7 @@ Imports without torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -246,7 +247,7 @@ class Plan:
         """Whether the frozen base weights are bitsandbytes-quantized (4-bit or 8-bit)."""
         return self.method in (Method.QLORA, Method.LORA_8BIT)
 
-    @property
+    @functools.cached_property  # a frozen plan's: asked for hundreds of times an estimate
     def engine(self) -> str:
         """What runs the plan: plain torch (one GPU or DDP), DeepSpeed, or FSDP2."""
         if self.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
@@ -278,7 +279,7 @@ class Plan:
             raise PlanError([f"unknown plan field {k!r} (known: {', '.join(sorted(known))})" for k in unknown])
         return cls(**dict(data))
 
-    @property
+    @functools.cached_property  # a frozen plan's: the store and the search ask for it again and again
     def plan_id(self) -> str:
         blob = json.dumps(self.as_dict(), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -9,6 +9,7 @@ the training the exported files ask for. Dtypes are torch attribute names
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,14 @@ class DtypeLayout:
 
 
 def dtype_layout(plan: Plan) -> DtypeLayout:
-    """The dtypes of ``plan``; see :class:`DtypeLayout`.
+    """The dtypes of ``plan``; see :class:`DtypeLayout`. They depend on its precision, whether it
+    trains every weight, and its engine alone: one layout each (an analytic estimate asks 16 times)."""
+    return _dtype_layout(plan.precision, plan.method is Method.FULL, plan.engine)
+
+
+@functools.cache
+def _dtype_layout(precision: Precision, full: bool, engine: str) -> DtypeLayout:
+    """:func:`dtype_layout` of a plan of ``precision``, full fine-tuning or not, on ``engine``.
 
     In the module: ``32-true`` is fp32 everything, ``bf16-true`` bf16 everything (moments
     too). Mixed precision on plain torch keeps fp32 weights under autocast for full
@@ -143,23 +151,23 @@ def dtype_layout(plan: Plan) -> DtypeLayout:
     MixedPrecisionPolicy gathers in 16-bit) and the engine keeps the fp32 copies: the
     master weights (DeepSpeed) or the sharded parameters themselves (FSDP2).
     """
-    fp32 = plan.precision is Precision.FP32
-    mixed = plan.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    half = "float16" if plan.precision is Precision.FP16_MIXED else "bfloat16"
+    fp32 = precision is Precision.FP32
+    mixed = precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    half = "float16" if precision is Precision.FP16_MIXED else "bfloat16"
     if fp32:
         base = adapter = "float32"
-    elif plan.precision is Precision.BF16_TRUE:
+    elif precision is Precision.BF16_TRUE:
         base = adapter = "bfloat16"
-    elif plan.engine != "torch":
+    elif engine != "torch":
         base = adapter = half
     else:
-        base, adapter = ("float32" if plan.method is Method.FULL else half), "float32"
-    autocast = half if mixed and plan.engine == "torch" else None
+        base, adapter = ("float32" if full else half), "float32"
+    autocast = half if mixed and engine == "torch" else None
     # trainable state: fp32 in full precision, and in mixed precision wherever the engine
     # is not DeepSpeed (which keeps 16-bit parameters and a separate fp32 master copy)
-    trainable = "float32" if fp32 or (mixed and plan.engine != "deepspeed") else half
+    trainable = "float32" if fp32 or (mixed and engine != "deepspeed") else half
     wide = trainable == "float32"
-    deepspeed = plan.engine == "deepspeed"
+    deepspeed = engine == "deepspeed"
     return DtypeLayout(
         base=base,
         adapter=adapter,
