@@ -881,6 +881,13 @@ class ModelSpec:
         Linear, as PEFT and bitsandbytes see them. A derived spec lists its block's own; a hybrid
         stack's are every kind's, each name once (what LoRA targets name; for counts, :meth:`layer_kinds`).
         """
+        return list(self._linears)
+
+    @functools.cached_property  # a frozen spec's: an analytic estimate asks 8 times
+    def _linears(self) -> tuple[tuple[str, int, int, str], ...]:
+        return tuple(self._linears_of_block())
+
+    def _linears_of_block(self) -> list[tuple[str, int, int, str]]:
         if self.hybrid:
             named: dict[str, tuple[str, int, int, str]] = {}
             for _, k in self.layer_kinds():  # a name in two kinds: its larger Linear
