@@ -51,10 +51,16 @@ def _torchrun(script: Path, ranks: int) -> dict:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.ranks("torchrun starts 2 or 4 gloo ranks, a core each")
+@pytest.mark.alone(
+    "how long a ring buffer lives depends on when gloo's thread lets go of the collective reading it: "
+    "another worker's load beside 4 ranks on 2 cores kept one longer (float32 backward 1.8% over the bound, "
+    "a clean-clone run of 2026-12-08)"
+)
 def test_ring_buffers_bound_torchs_own_ring_on_cpu_ranks(ranks):
     """torch's _templated_ring_attention and its backward, with the CPU flash kernel, on gloo ranks:
     the formula bounds the worst rank's excess over the local kernel (the worst of three runs: how long
-    a buffer lives depends on when the collective reading it completes), by at most 40%."""
+    a buffer lives depends on when the collective reading it completes), by at most 40%. The bound is
+    tight: unloaded, the worst of three runs meets it exactly in some runs (ratio 1.000)."""
     result = _torchrun(PROBE, ranks)
     for dtype, cb in (("bfloat16", 2), ("float32", 4)):
         elements = result[dtype]["elements"]
