@@ -5,7 +5,8 @@ compile of it (about a second); a search, and each CLI call, paid each of them o
 What one gives is a few numbers, which depend only on its arguments and on the code and the
 libraries that ran it. So each is kept in a JSON file under ``$AUTOFIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/autofit/census`` (``~/.cache/autofit/census``), named by a hash of the function,
-the model's fingerprint, the plan's fields, the kernels (CPU or the CUDA capability), autofit's
+the model's fingerprint, the plan's fields, the kernels (the CPU's, or the class of CUDA capabilities
+that pick the same sdpa kernel: ``traced._by_kernels``), autofit's
 own source of what a census runs (evaluators, techniques, plan, specs) and the versions of torch,
 transformers, peft, bitsandbytes and accelerate: a change to any of them is a new name.
 ``AUTOFIT_CACHE_DIR=off`` keeps nothing. A file that cannot be read is ignored and written again;
