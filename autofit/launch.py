@@ -248,9 +248,11 @@ def report(trainer: PlanTrainer, output: Any, path: str | Path | None = None) ->
 
 
 def close() -> None:
-    """Leave the process group once every rank is done (``engines.leave_group``: a gloo rank can
-    otherwise abort at interpreter exit after training finished)."""
-    engines.leave_group()
+    """Leave the process group once every rank is done, and on Gloo end the process at once (a
+    Gloo rank can otherwise abort at interpreter exit after training finished: ``engines.leave_group``).
+    The last call of ``train.py``."""
+    if engines.leave_group():
+        engines.exit_now(0)
 
 
 def _rank_figures(trainer: PlanTrainer) -> dict[str, Any]:

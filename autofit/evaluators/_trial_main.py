@@ -653,7 +653,7 @@ def main(argv: list[str]) -> int:
                 "ranks": ranks,
             },
         )
-    engines.leave_group()  # every rank here, the group left: not barrier() (engines.leave_group)
+    engines.leave_group()  # every rank here, the group left (the process then ends with os._exit below)
     return 0
 
 

@@ -162,8 +162,9 @@ def gather_objects(mine: Any) -> list[Any]:
     return out
 
 
-def leave_group() -> None:
-    """Wait for every rank, then leave the default process group, before the interpreter exits.
+def leave_group() -> bool:
+    """Wait for every rank, then leave the default process group, before the interpreter exits;
+    whether the group was Gloo's (then end the process with :func:`exit_now`).
 
     Gloo runs a collective on one of its worker threads, and that thread drops the work when it
     is done; a work holding tensors Python made (``all_gather_object``'s) takes the GIL to free
@@ -175,13 +176,31 @@ def leave_group() -> None:
     freed with the barrier's work, on a worker thread, as the process exited (a core dump of the
     exported FSDP ``train.py`` showed exactly that stack). ``monitored_barrier`` sends and receives
     a tensor of its own on the calling thread and keeps no work (``monitoredBarrier``); other
-    backends (NCCL) keep ``barrier``."""
+    backends (NCCL) keep ``barrier``. It is not enough: a group that something still holds (FSDP2's
+    mesh holds its group) keeps its threads past ``destroy_process_group``, and a clean-clone suite
+    run still saw one rank of an exported FSDP run abort so."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
-    if dist.get_backend() == "gloo":
+        return False
+    gloo = dist.get_backend() == "gloo"
+    if gloo:
         dist.monitored_barrier(wait_all_ranks=True)
     else:
         dist.barrier()
     dist.destroy_process_group()
+    return gloo
+
+
+def exit_now(code: int = 0) -> None:
+    """End the process at once with ``code``, its output flushed, skipping the interpreter's
+    finalization, where Gloo's threads can abort it (:func:`leave_group`). What the measured child
+    does too (``_trial_main``); torch has no fix (pytorch/pytorch#179291, an ``atexit``
+    ``destroy_process_group``, was abandoned)."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
