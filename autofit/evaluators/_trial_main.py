@@ -658,9 +658,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    from autofit.evaluators import engines
+
     # the results are on disk; skip the interpreter's teardown, where threads left by gloo
-    # and the engines can abort the process ("terminate called without an active exception")
-    os._exit(code)
+    # and the engines can abort the process (engines.leave_group)
+    engines.exit_now(main(sys.argv))

@@ -194,8 +194,8 @@ def leave_group() -> bool:
 
 def exit_now(code: int = 0) -> None:
     """End the process at once with ``code``, its output flushed, skipping the interpreter's
-    finalization, where Gloo's threads can abort it (:func:`leave_group`). What the measured child
-    does too (``_trial_main``); torch has no fix (pytorch/pytorch#179291, an ``atexit``
+    finalization, where Gloo's threads can abort it (:func:`leave_group`): how the measured child
+    (``_trial_main``) and a Gloo run's ``train.py`` end; torch has no fix (pytorch/pytorch#179291, an ``atexit``
     ``destroy_process_group``, was abandoned)."""
     import logging
     import sys
